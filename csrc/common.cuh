@@ -1,0 +1,131 @@
+// Device helpers shared by the dispatch and combine kernels.
+//
+// The kernels move rows between GPUs with plain 16-byte stores through nvshmem_ptr (NVLink
+// peer mappings) and publish each finished row with a per-row flag: the sender fences its
+// stores and then writes the flag with release semantics; the receiver spins on the flag with
+// acquire semantics before it reads the row. Flags carry the call's tag (a per-kernel-kind call
+// counter kept on the device), so no flag is ever reset and a step can be replayed from a CUDA
+// graph.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace moe_comm {
+
+// Most experts one token may pick (DeepSeek-V3 uses 8). Bounds per-slot metadata and the
+// per-pick registers of the copy loops.
+constexpr int kMaxTopK = 8;
+// Most experts in one MoE layer. Bounds the per-block histograms in shared memory.
+constexpr int kMaxExperts = 1024;
+// Most ranks in one expert-parallel group served by these intranode kernels.
+constexpr int kMaxRanks = 8;
+constexpr int kWarpSize = 32;
+constexpr int kThreadsPerBlock = 1024;
+constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarpSize;
+
+// Words of the error array the host reads (mapped pinned memory; plain stores, no atomics).
+constexpr int kErrorRowsNeeded = 0;       // rows a call needed when they exceeded the capacity
+constexpr int kErrorExpertIndex = 1;      // 1: a topk index outside [0, num_experts)
+constexpr int kErrorDuplicateExpert = 2;  // 1: a token picked the same expert twice
+constexpr int kErrorWords = 3;
+
+// What travels with a token to each rank that holds one of its experts.
+struct SlotMeta {
+  int32_t token;                 // index of the token on its source rank
+  int32_t expert[kMaxTopK];      // global expert ids, -1 where the k-th pick is not on this rank
+  int32_t rank_in_expert[kMaxTopK];  // position among the source's rows for that expert
+  float weight[kMaxTopK];        // routing weight of the k-th pick
+};
+
+#if defined(__CUDACC__)  // the host-only torch bindings include this file for the constants
+
+__device__ __forceinline__ void store_release_sys(uint32_t* addr, uint32_t value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* addr) {
+  uint32_t value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
+  return value;
+}
+
+// Every lane of the warp waits until the flag holds `tag`, so each lane's later loads are
+// ordered after the acquire.
+__device__ __forceinline__ void wait_flag(const uint32_t* flag, uint32_t tag) {
+  while (load_acquire_sys(flag) != tag) {
+  }
+}
+
+// Called by every lane after its stores of a row: the fence orders them before the flag that
+// lane 0 then releases.
+__device__ __forceinline__ void publish_flag(uint32_t* flag, uint32_t tag, int lane) {
+  __threadfence_system();
+  __syncwarp();
+  if (lane == 0) store_release_sys(flag, tag);
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+
+// A 16-byte vector viewed as elements of T.
+template <typename T>
+struct Vec {
+  static constexpr int kElems = 16 / sizeof(T);
+  union {
+    uint4 raw;
+    T elems[kElems];
+  };
+};
+
+// Accumulate weight * (16 bytes of T) into fp32 lanes.
+template <typename T>
+__device__ __forceinline__ void accumulate(float (&acc)[Vec<T>::kElems], uint4 raw, float weight) {
+  Vec<T> v;
+  v.raw = raw;
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) acc[i] += weight * to_float(v.elems[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack(const float (&acc)[Vec<T>::kElems], float scale) {
+  Vec<T> v;
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) v.elems[i] = from_float<T>(acc[i] * scale);
+  return v.raw;
+}
+
+template <typename T>
+__device__ __forceinline__ float dot16(uint4 a, uint4 b) {
+  Vec<T> va, vb;
+  va.raw = a;
+  vb.raw = b;
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) s += to_float(va.elems[i]) * to_float(vb.elems[i]);
+  return s;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ int round_up(int x, int align) { return (x + align - 1) / align * align; }
+
+#endif  // __CUDACC__
+
+}  // namespace moe_comm

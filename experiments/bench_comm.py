@@ -1,0 +1,331 @@
+"""MoE dispatch/combine benchmark: every backend present, DeepSeek-V3 and decode shapes.
+
+Three steps, all on the GPU machine but the last:
+  python experiments/bench_comm.py p2p OUT.json
+      one process, two GPUs: the copy-engine P2P ceiling (one way, and both ways at once).
+  torchrun --nproc_per_node 2 experiments/bench_comm.py run OUT.json --backends nvshmem nccl
+      per backend and shape: median time of dispatch and of combine (CUDA events, steady state,
+      no host sync between iterations), rows and bytes that actually cross NVLink (from the
+      routing: once per destination rank for nvshmem, once per expert for all-to-all paths),
+      link GB/s, and SMs used. torch's symmetric-memory all-to-all (backend "torch_symm") must
+      run in its own launch: it starts NVSHMEM through torch, which cannot share a process with
+      this project's NVSHMEM start-up.
+  python experiments/bench_comm.py report OUT_DIR/*.json --json results/h200x2/comm_bench.json
+      merges the runs, adds ratios against the nvshmem backend, and draws the plot beside it.
+"""
+
+import argparse
+import faulthandler
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SHAPES = {
+    # name: tokens per rank, hidden, top_k, experts, routing
+    "dsv3_random": (4096, 7168, 8, 256, "random"),
+    "dsv3_balanced": (4096, 7168, 8, 256, "balanced"),
+    "decode_random": (128, 7168, 8, 256, "random"),
+}
+WARMUP, ITERS = 10, 50
+P2P_BYTES = 1 << 30
+DEEPEP_V1_REFERENCE_US = {"dispatch": 353.0, "combine": 393.0}  # NOTES.md §4, same machine and shape, 24 SMs
+
+
+def make_routing(T, E, K, mode, rank, device):
+    g = torch.Generator(device=device).manual_seed(1234 + rank)
+    if mode == "random":
+        idx = torch.rand(T, E, generator=g, device=device).topk(K, dim=1).indices
+    else:  # every expert gets the same number of rows; K consecutive ids are distinct
+        idx = (torch.arange(T * K, device=device).view(T, K) + rank * T * K) % E
+    w = torch.rand(T, K, generator=g, device=device)
+    return idx.to(torch.int64).contiguous(), (w / w.sum(dim=1, keepdim=True)).contiguous()
+
+
+def link_rows(idx, E, world, rank):
+    """Rows leaving this rank: per destination rank (dedup) and per expert (all-to-all)."""
+    dest = idx // (E // world)
+    remote = dest != rank
+    per_expert = int(remote.sum())
+    dedup = sum(int((dest == d).any(dim=1).sum()) for d in range(world) if d != rank)
+    return dedup, per_expert
+
+
+def p2p(out: Path) -> None:
+    """Copy-engine ceiling between the two GPUs, timed with CUDA events on the copying streams."""
+    assert torch.cuda.device_count() >= 2, "the P2P ceiling needs two GPUs in one process"
+    n = P2P_BYTES // 4
+    a0, b0 = torch.empty(n, device="cuda:0"), torch.empty(n, device="cuda:0")
+    a1, b1 = torch.empty(n, device="cuda:1"), torch.empty(n, device="cuda:1")
+    s0, s1 = torch.cuda.Stream("cuda:0"), torch.cuda.Stream("cuda:1")
+
+    def timed(both: bool) -> float:
+        rates = []
+        for _ in range(10):
+            torch.cuda.synchronize("cuda:0")
+            torch.cuda.synchronize("cuda:1")
+            e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            with torch.cuda.stream(s0):
+                e[0].record(s0)
+                a1.copy_(a0, non_blocking=True)
+                e[1].record(s0)
+            if both:
+                with torch.cuda.stream(s1):
+                    e[2].record(s1)
+                    b0.copy_(b1, non_blocking=True)
+                    e[3].record(s1)
+            s0.synchronize()
+            s1.synchronize()
+            ms = e[0].elapsed_time(e[1])
+            if both:
+                ms = max(ms, e[2].elapsed_time(e[3]))
+            rates.append(P2P_BYTES / (ms * 1e-3) / 1e9)
+        return statistics.median(rates[2:])
+
+    result = {"p2p_one_way_gbps": timed(False), "p2p_both_ways_per_direction_gbps": timed(True),
+              "bytes": P2P_BYTES, "device": torch.cuda.get_device_name(0), "method": "copy_ between two GPUs, CUDA events"}
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+def build(name, E, K, D, group, num_sms, max_tokens):
+    from moe_comm.backends import build_backend
+    from moe_comm.backends.base import MoELayerSpec
+    from moe_comm.config import MoEComm
+
+    layer = MoELayerSpec(num_experts=E, top_k=K, hidden=D)
+    config = MoEComm(backend=name, num_sms=num_sms, max_tokens_per_rank=max_tokens, recv_capacity_factor=0.0)
+    return build_backend(config, layer, group)
+
+
+class TorchSymmAllToAll:
+    """torch's symmetric-memory all_to_all_vdev (1D; the 2D variant refuses 128 local experts
+    at torch 2.11). Dispatch: group rows by destination rank (one per token-expert pair) and
+    exchange; combine: exchange back with the received splits, then the weighted sum. No host
+    sync: splits stay on the GPU."""
+
+    name = "torch_symm"
+
+    def __init__(self, E, K, D, group, max_tokens):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NVSHMEM")
+        self.E, self.K, self.group = E, K, group
+        self.world = dist.get_world_size(group)
+        device = torch.device("cuda", torch.cuda.current_device())
+        rows = max_tokens * K * self.world
+        self.send = symm_mem.empty(rows, D, dtype=torch.bfloat16, device=device)
+        self.recv = symm_mem.empty(rows, D, dtype=torch.bfloat16, device=device)
+        self.in_splits = symm_mem.empty(self.world, dtype=torch.int64, device=device)
+        self.out_splits = symm_mem.empty(2, self.world, dtype=torch.int64, device=device)  # splits, offsets
+        self.back_in_splits = symm_mem.empty(self.world, dtype=torch.int64, device=device)
+        self.back_out_splits = symm_mem.empty(2, self.world, dtype=torch.int64, device=device)
+        for t in (self.send, self.recv, self.in_splits, self.out_splits, self.back_in_splits, self.back_out_splits):
+            symm_mem.rendezvous(t, group.group_name)
+
+    def dispatch(self, x, idx, w):
+        T = x.shape[0]
+        dest = (idx // (self.E // self.world)).flatten()
+        order = torch.argsort(dest, stable=True)
+        n = T * self.K
+        self.send[:n].copy_(x[order // self.K])
+        self.in_splits.copy_(torch.bincount(dest, minlength=self.world))
+        torch.ops.symm_mem.all_to_all_vdev(self.send, self.recv, self.in_splits, self.out_splits, self.group.group_name)
+        return self.recv, (order, w, T)
+
+    def combine(self, y, handle):
+        order, w, T = handle
+        self.back_in_splits.copy_(self.out_splits[0])
+        torch.ops.symm_mem.all_to_all_vdev(y, self.send, self.back_in_splits, self.back_out_splits,
+                                           self.group.group_name)
+        back = torch.empty_like(self.send[: T * self.K])
+        back[order] = self.send[: T * self.K]
+        return (back.view(T, self.K, -1).float() * w[:, :, None]).sum(dim=1).to(y.dtype)
+
+
+def time_backend(backend, x, idx, w, is_symm):
+    """Median dispatch and combine times (us) over ITERS back-to-back iterations."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+               torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
+
+    def once(ev=None):
+        if ev:
+            ev[0].record()
+        if is_symm:
+            recv, handle = backend.dispatch(x, idx, w)
+            y = recv
+        else:
+            res = backend.dispatch(x, idx, w)
+            y, handle = res.recv_x_RD, res.handle
+        if ev:
+            ev[1].record()
+        out = backend.combine(y, handle)
+        if ev:
+            ev[2].record()
+        return out
+
+    for _ in range(WARMUP):
+        once()
+    torch.cuda.synchronize()
+    dist.barrier()
+    for ev in events:
+        once(ev)
+    torch.cuda.synchronize()
+    d = statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in events)
+    c = statistics.median(e[1].elapsed_time(e[2]) * 1e3 for e in events)
+    return d, c
+
+
+def run(out: Path, backends: list[str], num_sms_list: list[int]) -> None:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    device = torch.device("cuda", local_rank)
+    max_tokens = max(s[0] for s in SHAPES.values())
+    rows = []
+    for name in backends:
+        for num_sms in (num_sms_list if name == "nvshmem" else [0]):
+            for shape, (T, D, K, E, mode) in SHAPES.items():
+                x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+                idx, w = make_routing(T, E, K, mode, rank, device)
+                dedup, per_expert = link_rows(idx, E, world, rank)
+                entry = {"backend": name, "shape": shape, "tokens": T, "hidden": D, "top_k": K, "experts": E,
+                         "routing": mode, "world": world}
+                try:
+                    if name == "torch_symm":
+                        backend = TorchSymmAllToAll(E, K, D, group, max_tokens)
+                    else:
+                        backend = build(name, E, K, D, group, max(num_sms, 1), max_tokens)
+                    d_us, c_us = time_backend(backend, x, idx, w, name == "torch_symm")
+                except Exception as e:  # noqa: BLE001 - a backend that cannot run is recorded
+                    entry["error"] = f"{type(e).__name__}: {e}"[:2000]
+                    rows.append(entry)
+                    print(f"[rank {rank}] {name} {shape}: {entry['error']}", file=sys.stderr, flush=True)
+                    continue
+                link = dedup if name in ("nvshmem", "deepep") else per_expert
+                link_bytes = link * D * 2
+                stats = torch.tensor([d_us, c_us, float(link_bytes)], device=device)
+                gathered = [torch.zeros_like(stats) for _ in range(world)]
+                dist.all_gather(gathered, stats)
+                # The slowest rank bounds the op; bytes are this rank's outgoing ones (symmetric routing).
+                d_max = max(float(g[0]) for g in gathered)
+                c_max = max(float(g[1]) for g in gathered)
+                entry.update({
+                    "num_sms": num_sms if name == "nvshmem" else None,
+                    "sms_note": None if name == "nvshmem" else "library-managed (NCCL channels / torch kernels)",
+                    "dispatch_us": d_max, "combine_us": c_max, "round_trip_us": d_max + c_max,
+                    "link_rows_per_rank": link, "link_bytes_per_rank": link_bytes,
+                    "dispatch_link_gbps": link_bytes / (d_max * 1e-6) / 1e9,
+                    "combine_link_gbps": link_bytes / (c_max * 1e-6) / 1e9,
+                })
+                rows.append(entry)
+                if rank == 0:
+                    print(f"{name:>10} sms={num_sms:>3} {shape:>14}: dispatch {d_max:8.1f} us  combine {c_max:8.1f} us"
+                          f"  link {entry['dispatch_link_gbps']:6.1f}/{entry['combine_link_gbps']:6.1f} GB/s", flush=True)
+                del backend
+                torch.cuda.synchronize()
+                dist.barrier()
+    if rank == 0:
+        out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                   "rows": rows}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(inputs: list[Path], json_out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    merged = {"p2p": None, "rows": [], "inputs": [str(p) for p in inputs]}
+    for path in inputs:
+        data = json.loads(path.read_text())
+        if "p2p_one_way_gbps" in data:
+            merged["p2p"] = data
+        else:
+            merged["device"] = data["device"]
+            merged["torch"] = data["torch"]
+            merged["rows"].extend(data["rows"])
+    ceiling = merged["p2p"]["p2p_both_ways_per_direction_gbps"] if merged["p2p"] else None
+    ok = [r for r in merged["rows"] if "error" not in r]
+    best_nvshmem = {}
+    for r in ok:
+        if ceiling:
+            r["dispatch_link_fraction"] = r["dispatch_link_gbps"] / ceiling
+            r["combine_link_fraction"] = r["combine_link_gbps"] / ceiling
+        if r["backend"] == "nvshmem" and r["num_sms"] <= 20:
+            cur = best_nvshmem.get(r["shape"])
+            if cur is None or r["round_trip_us"] < cur["round_trip_us"]:
+                best_nvshmem[r["shape"]] = r
+    for r in ok:
+        ref = best_nvshmem.get(r["shape"])
+        if ref and r is not ref:
+            r["nvshmem_speedup"] = r["round_trip_us"] / ref["round_trip_us"]
+    dsv3 = best_nvshmem.get("dsv3_random")
+    if dsv3:
+        merged["deepep_v1_reference"] = {
+            **DEEPEP_V1_REFERENCE_US,
+            "note": "DeepEP v1.2.1 intranode test on this 2xH200 machine, 24 SMs (NOTES.md section 4)",
+            "nvshmem_round_trip_fraction": dsv3["round_trip_us"] / sum(DEEPEP_V1_REFERENCE_US.values()),
+        }
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(merged, indent=1))
+
+    shapes = list(SHAPES)
+    labels = sorted({(r["backend"], r["num_sms"]) for r in ok}, key=lambda k: (k[0], k[1] or 0))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5))
+    for ax, shape in zip(axes, shapes):
+        names, disp, comb = [], [], []
+        for backend, sms in labels:
+            r = next((r for r in ok if r["shape"] == shape and r["backend"] == backend and r["num_sms"] == sms), None)
+            if r:
+                names.append(backend + (f"\n{sms} SMs" if sms else ""))
+                disp.append(r["dispatch_us"])
+                comb.append(r["combine_us"])
+        ax.bar(names, disp, label="dispatch")
+        ax.bar(names, comb, bottom=disp, label="combine")
+        if shape == "dsv3_random":
+            ax.axhline(sum(DEEPEP_V1_REFERENCE_US.values()), color="k", ls="--", lw=1, label="DeepEP v1 (NOTES)")
+        ax.set_title(shape)
+        ax.set_ylabel("microseconds (median)")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"MoE dispatch + combine, {merged.get('device', '')} x2")
+    fig.tight_layout()
+    fig.savefig(json_out.with_suffix(".png"), dpi=120)
+    print(f"wrote {json_out} and {json_out.with_suffix('.png')}")
+
+
+def main() -> int:
+    faulthandler.enable()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("p2p")
+    p.add_argument("out", type=Path)
+    r = sub.add_parser("run")
+    r.add_argument("out", type=Path)
+    r.add_argument("--backends", nargs="+", default=["nvshmem", "nccl"])
+    r.add_argument("--num-sms", nargs="+", type=int, default=[20])
+    rep = sub.add_parser("report")
+    rep.add_argument("inputs", nargs="+", type=Path)
+    rep.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args()
+    if args.cmd == "p2p":
+        p2p(args.out)
+    elif args.cmd == "run":
+        run(args.out, args.backends, args.num_sms)
+    else:
+        report(args.inputs, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Build the CUDA dispatch/combine extension (csrc/) against the nvidia-nvshmem-cu13 wheel.
+
+torch.utils.cpp_extension's JIT path cannot device-link relocatable objects, which NVSHMEM's
+device library needs, so this module runs the three steps itself, with torch's own include
+paths and ABI flag:
+  1. nvcc -rdc=true each .cu (and c++ for the torch op bindings);
+  2. nvcc -dlink against libnvshmem_device (the compile-only check stops here);
+  3. nvcc -shared against torch and libnvshmem_host.so.3 (rpath to the wheel).
+The library lands in a cache folder keyed by the source hash, GPU architectures, torch version
+and nvcc version, so the first use builds it (about a minute) and later uses load it.
+
+Ahead of time (cluster images): `python -m moe_comm build --arch 90 100 [--out DIR]`.
+Compile-only check (CI, no GPU, CPU torch): `python -m moe_comm build --compile-only` compiles
+and device-links every kernel against the wheel's headers (the torch op bindings need a CUDA
+torch and are compiled where one is installed).
+"""
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+LIBRARY_NAME = "moe_comm_cuda.so"
+DEFAULT_ARCHS = ("90", "100")  # H100/H200, B200
+
+
+def nvshmem_root() -> Path:
+    spec = importlib.util.find_spec("nvidia.nvshmem")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the NVSHMEM wheel is missing: pip install 'nvidia-nvshmem-cu13==3.4.5' "
+            "(or this project's [gpu] extra)"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def cuda_home() -> Path:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    home = CUDA_HOME or "/usr/local/cuda"
+    if not (Path(home) / "bin" / "nvcc").exists():
+        raise RuntimeError(f"nvcc not found under {home}; set CUDA_HOME to a CUDA 13 toolkit")
+    return Path(home)
+
+
+def current_arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}{minor}"
+
+
+def _sources() -> tuple[list[Path], list[Path]]:
+    cuda = sorted(CSRC.glob("*.cu"))
+    host = sorted(CSRC.glob("*.cpp"))
+    return cuda, host
+
+
+def _run(cmd: list[str]) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"build step failed:\n  {' '.join(cmd)}\n{result.stdout}{result.stderr}")
+
+
+def _gencode(archs: tuple[str, ...]) -> list[str]:
+    return [flag for arch in archs for flag in ("-gencode", f"arch=compute_{arch},code=sm_{arch}")]
+
+
+def cache_key(archs: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    cuda, host = _sources()
+    for path in sorted(cuda + host + list(CSRC.glob("*.h")) + list(CSRC.glob("*.cuh"))):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    nvcc_version = subprocess.run(
+        [str(cuda_home() / "bin" / "nvcc"), "--version"], capture_output=True, text=True
+    ).stdout
+    h.update(f"{archs}|{torch.__version__}|{nvcc_version}|{nvshmem_root()}".encode())
+    return h.hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("MOE_COMM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "moe_comm"))
+    return Path(root)
+
+
+def build(archs: tuple[str, ...], out_dir: Path, compile_only: bool = False, verbose: bool = False) -> Path:
+    """Compile csrc/ into out_dir; returns the library path (or the device-link object)."""
+    from torch.utils import cpp_extension
+
+    nv = nvshmem_root()
+    cuda = cuda_home()
+    nvcc = str(cuda / "bin" / "nvcc")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = out_dir / "obj"
+    build_dir.mkdir(exist_ok=True)
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{CSRC}", f"-I{nv / 'include'}", f"-I{cuda / 'include'}", f"-I{cuda / 'include' / 'cccl'}"]
+    torch_includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    gencode = _gencode(archs)
+
+    cuda_sources, host_sources = _sources()
+    cuda_objects = []
+    for src in cuda_sources:
+        obj = build_dir / (src.stem + ".o")
+        cmd = [nvcc, "-c", "-rdc=true", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo", abi, *gencode,
+               *includes, str(src), "-o", str(obj)]
+        if verbose:
+            cmd.insert(1, "-Xptxas=-v")
+        _run(cmd)
+        cuda_objects.append(obj)
+    dlink = build_dir / "dlink.o"
+    _run([nvcc, "-dlink", "-Xcompiler", "-fPIC", *gencode, *map(str, cuda_objects), f"-L{nv / 'lib'}",
+          "-lnvshmem_device", "-o", str(dlink)])
+
+    host_objects = []
+    cxx = os.environ.get("CXX", "c++")
+    if compile_only and torch.version.cuda is None:
+        # A CPU torch ships no c10/cuda build headers: the torch op bindings need a CUDA torch.
+        print(f"compile-only: skipped {', '.join(p.name for p in host_sources)} (this torch has no CUDA headers)")
+        return dlink
+    for src in host_sources:
+        obj = build_dir / (src.stem + ".o")
+        _run([cxx, "-c", "-O2", "-std=c++20", "-fPIC", abi, *includes, *torch_includes, str(src), "-o", str(obj)])
+        host_objects.append(obj)
+    if compile_only:
+        return dlink
+
+    library = out_dir / LIBRARY_NAME
+    torch_lib = Path(torch.__file__).parent / "lib"
+    # nvcc links (and device-links) the relocatable objects itself, with its static cudart.
+    _run([nvcc, "-shared", "-Xcompiler", "-fPIC", *gencode, "-o", str(library),
+          *map(str, cuda_objects + host_objects), f"-L{torch_lib}", "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu",
+          "-ltorch_cuda", f"-L{nv / 'lib'}", "-lnvshmem_device", "-l:libnvshmem_host.so.3",
+          "-Xlinker", "-rpath", "-Xlinker", str(nv / "lib"), "-Xlinker", "-rpath", "-Xlinker", str(torch_lib)])
+    shutil.rmtree(build_dir, ignore_errors=True)
+    return library
+
+
+def library_path(archs: tuple[str, ...] | None = None) -> Path:
+    """The built library for this GPU (MOE_COMM_LIBRARY if set), building it on first use.
+
+    Concurrent first uses each build in their own folder and atomically rename the result.
+    """
+    prebuilt = os.environ.get("MOE_COMM_LIBRARY")
+    if prebuilt:
+        return Path(prebuilt)
+    archs = archs or (current_arch(),)
+    library = default_cache_dir() / cache_key(archs) / LIBRARY_NAME
+    if not library.exists():
+        tmp = library.parent / f"build-{os.getpid()}"
+        os.replace(build(archs, tmp), library)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return library
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS),
+                        help="SM architectures, e.g. 90 (H100/H200) 100 (B200)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: the cache folder used at run time)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile and device-link only (no GPU torch needed); what CI runs")
+    parser.add_argument("--verbose", action="store_true", help="print ptxas register/spill reports")
+
+
+def main(args: argparse.Namespace) -> int:
+    archs = tuple(args.arch)
+    out = args.out or (default_cache_dir() / (cache_key(archs) + ("-check" if args.compile_only else "")))
+    path = build(archs, out, compile_only=args.compile_only, verbose=args.verbose)
+    print(f"built {path}")
+    if not args.compile_only:
+        print(f"use it with MOE_COMM_LIBRARY={path} (or leave it in the cache: {default_cache_dir()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(argparse.ArgumentParser().parse_args()))
