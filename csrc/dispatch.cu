@@ -210,7 +210,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
         if (e < L) {
           seg_start[e] = carry + scan - padded;
           if (blockIdx.x == 0) {
-            a.tokens_per_expert[e] = padded;
+            // Past the capacity the rows are not written and the host raises; clamping the
+            // counts keeps the grouped GEMM inside recv_x until it does.
+            a.tokens_per_expert[e] = min(padded, max(0, a.capacity - (carry + scan - padded)));
             a.recv_info[RecvInfo{world, L}.seg_start(e)] = carry + scan - padded;
             a.recv_info[RecvInfo{world, L}.count(e)] = count;
           }

@@ -1,0 +1,81 @@
+"""Where a training step's GPU time goes, from a TorchTitan (torch.profiler) trace of one rank.
+
+    python experiments/profile_summary.py TRACE.json [OUT.json]
+
+Kernel time is summed by category over the profiled step's span: MoE dispatch/combine
+(this project's kernels, or the NCCL send/recv kernels of the all-to-all path), FSDP
+collectives (all-gather / reduce-scatter), GEMMs, and everything else; "idle" is the share of
+the span in which no kernel ran at all (host syncs, launch gaps). This is how NOTES.md §1's
+table was computed, so the numbers compare.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+CATEGORIES = [
+    ("moe_comm_kernels", ("moe_comm::", "dispatch_kernel", "combine_kernel", "combine_backward_kernel")),
+    ("all_to_all", ("SendRecv", "AllToAll", "all_to_all")),
+    ("fsdp_collectives", ("AllGather", "ReduceScatter", "AllReduce")),
+    ("gemm", ("gemm", "Gemm", "GEMM", "cutlass", "sm90_xmma", "nvjet", "grouped", "Grouped")),
+]
+
+
+def category(name: str) -> str:
+    for cat, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return cat
+    return "other_kernels"
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(trace_path: Path) -> dict:
+    events = json.loads(trace_path.read_text()).get("traceEvents", [])
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    if steps:
+        span_start = min(s["ts"] for s in steps)
+        span_end = max(s["ts"] + s["dur"] for s in steps)
+    else:
+        span_start = min(k["ts"] for k in kernels)
+        span_end = max(k["ts"] + k["dur"] for k in kernels)
+    span = span_end - span_start
+    by_cat: dict[str, float] = {}
+    intervals = []
+    for k in kernels:
+        a, b = max(k["ts"], span_start), min(k["ts"] + k["dur"], span_end)
+        if b <= a:
+            continue
+        cat = category(k["name"])
+        by_cat[cat] = by_cat.get(cat, 0.0) + (b - a)
+        intervals.append((a, b))
+    busy = union_length(intervals)
+    return {
+        "trace": str(trace_path),
+        "span_ms": span / 1e3,
+        "kernel_time_share": {c: t / span for c, t in sorted(by_cat.items())},
+        "gpu_busy_share": busy / span,
+        "gpu_idle_share": 1 - busy / span,
+    }
+
+
+def main() -> int:
+    summary = summarize(Path(sys.argv[1]))
+    text = json.dumps(summary, indent=1)
+    if len(sys.argv) > 2:
+        Path(sys.argv[2]).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
