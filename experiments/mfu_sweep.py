@@ -1,0 +1,362 @@
+"""MFU sweep: backends x local batch x sequence length of one recipe, or a list of (recipe, backend)
+runs, each through `python -m moe_comm train`; results to OUT/NAME.json plus plots.
+
+Sweep (the 2xH200 benchmark recipe):
+    python experiments/mfu_sweep.py --recipe recipes/deepseek_v3_671b_layers_h200x2.toml \\
+        --backends nccl nvshmem deepep --batch 1 2 4 --seq 2048 4096 --steps 20 \\
+        --out results/h200x2 --name mfu_sweep
+Baselines (a short list of recipe:backend runs at their recipes' own batch and sequence):
+    python experiments/mfu_sweep.py --runs recipes/deepseek_v3_671b_layers_h200x2.toml:nccl \\
+        recipes/deepseek_v3_16b_h200x2.toml:nccl --steps 30 --out results/h200x2 --name baselines
+Cost of the instrumentation (each configuration twice, MOE_COMM_INSTRUMENT=1 and =0):
+    ... --instrument-cost
+
+Every run gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1, its
+own dump folder (OUT/runs/NAME/<run>/, with train.log and metrics.jsonl) and W&B name
+"<backend>-b<B>-s<S>". A run that fails (OOM, timeout, crash) is recorded with its error and
+the tail of its log, and the sweep goes on. OUT/NAME.json is rewritten after every run, so an
+interrupted sweep keeps what it measured; `--resume` does only the runs it lacks, and
+`--budget-s 540` stops starting runs before a 10-minute command limit (then --resume). Paths
+in the JSON are relative to OUT, so OUT can be copied off the GPU machine and `--report-only`
+rebuilds the table and plots there (e.g. where matplotlib is installed). Extra TorchTitan
+overrides for every run follow `--`; in --runs mode, --batch/--seq (first value) apply to all.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from moe_comm import report  # noqa: E402
+
+RUN_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+ERROR_TAIL_LINES = 40
+# Patterns that name a failure better than the exit code does, first match wins.
+_FAILURE_KINDS = (
+    ("recipe", re.compile(r"^recipe error:", re.MULTILINE)),
+    ("oom", re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")),
+    ("capacity", re.compile(r"recv_capacity_factor|max_tokens_per_rank")),
+    ("missing_dependency", re.compile(r"No module named|ModuleNotFoundError|pip install")),
+    ("nccl", re.compile(r"NCCL error|ncclInternalError|ncclUnhandledCudaError")),
+)
+
+
+@dataclass
+class RunSpec:
+    recipe: str
+    backend: str
+    local_batch_size: int | None = None  # None: the recipe's own
+    seq_len: int | None = None
+    instrumented: bool = True
+
+    @property
+    def name(self) -> str:
+        parts = [Path(self.recipe).stem, self.backend]
+        if self.local_batch_size is not None:
+            parts.append(f"b{self.local_batch_size}")
+        if self.seq_len is not None:
+            parts.append(f"s{self.seq_len}")
+        if not self.instrumented:
+            parts.append("noinst")
+        return "-".join(parts)
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    status: str  # "ok" or "failed"
+    command: str
+    dump_folder: str  # relative to OUT, so results/ stays valid wherever it is copied
+    wall_s: float
+    returncode: int | None = None
+    error: str = ""  # oom, timeout, capacity, missing_dependency, nccl, exit code N, no metrics
+    error_tail: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def plan(args: argparse.Namespace) -> list[RunSpec]:
+    if args.runs:
+        specs = []
+        for item in args.runs:
+            recipe, sep, backend = item.rpartition(":")
+            if not sep or not recipe or not backend:
+                raise SystemExit(f"--runs takes RECIPE.toml:BACKEND, got {item!r}")
+            specs.append(RunSpec(recipe, backend, args.batch[0] if args.batch else None,
+                                 args.seq[0] if args.seq else None))
+    else:
+        if not args.recipe:
+            raise SystemExit("give --recipe (a sweep) or --runs RECIPE:BACKEND ... (a list)")
+        specs = [
+            RunSpec(args.recipe, backend, batch, seq)
+            for batch in (args.batch or [None])
+            for seq in (args.seq or [None])
+            for backend in args.backends
+        ]
+    if args.instrument_cost:
+        specs = [s for spec in specs for s in (spec, RunSpec(**{**asdict(spec), "instrumented": False}))]
+    return specs
+
+
+def train_command(args: argparse.Namespace, spec: RunSpec, dump_folder: Path) -> list[str]:
+    cmd = shlex.split(args.launcher) + [spec.recipe, "--moe_comm.backend", spec.backend,
+                                        "--training.steps", str(args.steps),
+                                        "--metrics.log_freq", "1",
+                                        "--job.dump_folder", str(dump_folder)]
+    if spec.local_batch_size is not None:
+        cmd += ["--training.local_batch_size", str(spec.local_batch_size)]
+    if spec.seq_len is not None:
+        cmd += ["--training.seq_len", str(spec.seq_len)]
+    # offline W&B runs where wandb is importable (it is not in the GPU image unless carried)
+    cmd += ["--metrics.enable_wandb" if args.wandb else "--metrics.no-enable-wandb"]
+    return cmd + list(args.overrides)
+
+
+def _failure_kind(log_text: str, returncode: int) -> str:
+    for kind, pattern in _FAILURE_KINDS:
+        if pattern.search(log_text):
+            return kind
+    return f"exit code {returncode}"
+
+
+def run_one(args: argparse.Namespace, spec: RunSpec) -> RunResult:
+    dump_folder = args.out / "runs" / args.name / spec.name
+    dump_folder.mkdir(parents=True, exist_ok=True)
+    log_path = dump_folder / "train.log"
+    cmd = train_command(args, spec, dump_folder)
+    env = {**os.environ, **RUN_ENV, "MOE_COMM_INSTRUMENT": "1" if spec.instrumented else "0"}
+    env.setdefault("WANDB_RUN_NAME", "-".join(spec.name.split("-")[1:]))
+    env.setdefault("WANDB_RUN_GROUP", Path(spec.recipe).stem)
+    print(f"[mfu_sweep] {spec.name}: {shlex.join(cmd)}", flush=True)
+    start = time.monotonic()
+    returncode: int | None = None
+    with open(log_path, "w") as log:
+        try:
+            returncode = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                        timeout=args.timeout, start_new_session=True).returncode
+        except subprocess.TimeoutExpired:
+            returncode = None
+    wall_s = time.monotonic() - start
+    log_text = log_path.read_text(errors="replace")
+    tail = "\n".join(log_text.splitlines()[-ERROR_TAIL_LINES:])
+    result = RunResult(spec, "failed", shlex.join(cmd), str(dump_folder.relative_to(args.out)),
+                       wall_s, returncode)
+    if returncode is None:
+        result.error, result.error_tail = f"timeout after {args.timeout}s", tail
+    elif returncode != 0:
+        result.error, result.error_tail = _failure_kind(log_text, returncode), tail
+    elif not (dump_folder / "metrics.jsonl").is_file():
+        result.error, result.error_tail = "no metrics.jsonl (did the run log a step?)", tail
+    else:
+        result.status = "ok"
+        run = report.load_run(dump_folder / "metrics.jsonl")
+        result.summary = report.summarize_run(run, args.warmup_steps)
+        result.summary["tokens_per_rank"] = run.static.get("local_batch_size", 0) * run.static.get("seq_len", 0)
+    print(f"[mfu_sweep] {spec.name}: {result.status} {result.error} in {wall_s:.0f}s"
+          + (f", {result.summary.get('tps') or 0:,.0f} tok/s/GPU, MFU {result.summary.get('mfu')}"
+             if result.status == "ok" else ""), flush=True)
+    return result
+
+
+def instrument_cost(results: list[RunResult]) -> list[dict[str, Any]]:
+    """tokens/s with and without instrumentation, per configuration that ran both ways."""
+    by_key = {}
+    for r in results:
+        if r.status == "ok":
+            key = (r.spec.recipe, r.spec.backend, r.spec.local_batch_size, r.spec.seq_len)
+            by_key.setdefault(key, {})[r.spec.instrumented] = r.summary["tps"]
+    rows = []
+    for (recipe, backend, batch, seq), tps in by_key.items():
+        if True in tps and False in tps and tps[False]:
+            rows.append({
+                "recipe": recipe, "backend": backend, "local_batch_size": batch, "seq_len": seq,
+                "tps_instrumented": tps[True], "tps_bare": tps[False],
+                "slowdown_pct": 100 * (tps[False] - tps[True]) / tps[False],
+            })
+    return rows
+
+
+def load_previous(args: argparse.Namespace) -> tuple[list[RunResult], list[str]]:
+    """Runs recorded by an earlier invocation (--resume): kept, and not run again unless they
+    failed and --retry-failed is given."""
+    path = args.out / f"{args.name}.json"
+    if not path.is_file():
+        return [], []
+    payload = json.loads(path.read_text())
+    results = []
+    for run in payload["runs"]:
+        run = {k: v for k, v in run.items() if k != "name"}
+        result = RunResult(**{**run, "spec": RunSpec(**run["spec"])})
+        if result.status == "ok" or not args.retry_failed:
+            results.append(result)
+    return results, list(payload.get("commands", []))
+
+
+def write_results(args: argparse.Namespace, results: list[RunResult], commands: list[str]) -> Path:
+    path = args.out / f"{args.name}.json"
+    payload = {
+        "commands": commands,
+        "env": RUN_ENV,
+        "steps": args.steps,
+        "warmup_steps_excluded": args.warmup_steps,
+        "runs": [{**asdict(r), "name": r.spec.name} for r in results],
+        "instrument_cost": instrument_cost(results),
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def plot_sweep(results: list[RunResult], out: Path) -> Path | None:
+    """MFU and tokens/s against tokens per rank per step (batch x seq), one line per backend."""
+    ok = [r for r in results if r.status == "ok" and r.spec.instrumented]
+    if not ok:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_mfu, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    for backend in sorted({r.spec.backend for r in ok}):
+        points = sorted(
+            (r.summary["tokens_per_rank"], r.summary["mfu"], r.summary["tps"], r.spec.name)
+            for r in ok if r.spec.backend == backend
+        )
+        xs = [p[0] for p in points]
+        ax_mfu.plot(xs, [p[1] if p[1] is not None else float("nan") for p in points], marker="o", label=backend)
+        ax_tps.plot(xs, [p[2] for p in points], marker="o", label=backend)
+    for ax, title in ((ax_mfu, "MFU (%)"), (ax_tps, "tokens/s per GPU")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank per step (local batch x seq)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = out / "mfu_vs_tokens.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run_all(args, specs: list[RunSpec], results: list[RunResult], commands: list[str], command: str) -> None:
+    """Run the specs not yet in `results`, rewriting OUT/NAME.json after each one."""
+    commands.append(command)
+    done = {r.spec.name for r in results}
+    todo = [s for s in specs if s.name not in done]
+    print(f"[mfu_sweep] {len(todo)} runs to do" + (f", {len(done)} kept from before" if done else ""))
+    write_results(args, results, commands)
+    start = time.monotonic()
+    walls: list[float] = []
+    for i, spec in enumerate(todo):
+        elapsed = time.monotonic() - start
+        if args.budget_s and walls and elapsed + statistics.mean(walls) > args.budget_s:
+            print(f"[mfu_sweep] time budget {args.budget_s}s reached with {len(todo) - i} runs left: "
+                  f"run the same command with --resume to continue")
+            break
+        result = run_one(args, spec)
+        walls.append(result.wall_s)
+        results.append(result)
+        write_results(args, results, commands)
+
+
+def write_report(args, results, ok_dirs, failed, plots_dir: Path, commands: list[str]) -> None:
+    report_md, _ = report.build_report(ok_dirs, plots_dir, args.warmup_steps,
+                                       title=f"{args.name}: {commands[-1] if commands else ''}")
+    sweep_plot = plot_sweep(results, plots_dir)
+    extra = [f"![{sweep_plot.stem}]({sweep_plot.name})"] if sweep_plot else []
+    if failed:
+        extra += ["", "## Failed runs", ""] + [f"- {r.spec.name}: {r.error}" for r in failed]
+    extra += ["", "Made by:", ""] + [f"    {c}" for c in commands]
+    with open(report_md, "a") as f:
+        f.write("\n".join(extra) + "\n")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    overrides: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", help="recipe for a backends x batch x seq sweep")
+    p.add_argument("--backends", nargs="+", default=["nccl", "nvshmem", "deepep"])
+    p.add_argument("--batch", nargs="+", type=int, help="local batch sizes (default: the recipe's)")
+    p.add_argument("--seq", nargs="+", type=int, help="sequence lengths (default: the recipe's)")
+    p.add_argument("--runs", nargs="+", help="instead of a sweep: RECIPE.toml:BACKEND ...")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup-steps", type=int, default=report.DEFAULT_WARMUP_STEPS,
+                   help="first steps left out of the medians")
+    p.add_argument("--out", type=Path, default=REPO / "results" / "h200x2")
+    p.add_argument("--name", default="mfu_sweep", help="results file OUT/NAME.json, plots in OUT/NAME/")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds before a run counts as hung")
+    p.add_argument("--instrument-cost", action="store_true",
+                   help="run each configuration also with MOE_COMM_INSTRUMENT=0 and report the slowdown")
+    p.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B runs")
+    p.add_argument("--launcher", default=f"{shlex.quote(sys.executable)} -m moe_comm train",
+                   help="command that takes RECIPE [overrides] and trains (default: this python -m moe_comm train)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in OUT/NAME.json and do only the missing ones")
+    p.add_argument("--retry-failed", action="store_true", help="with --resume: run failed ones again")
+    p.add_argument("--budget-s", type=float, default=0,
+                   help="start no run that would likely end past this many seconds (e.g. 540 under a "
+                        "10-minute limit); the rest is left for --resume")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild the table and plots from OUT/NAME.json and its runs")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = p.parse_args(argv)
+    args.overrides = overrides
+    if args.wandb and importlib.util.find_spec("wandb") is None:
+        print("[mfu_sweep] wandb is not importable: runs log JSONL only (--metrics.no-enable-wandb)")
+        args.wandb = False
+    args.out = args.out if args.out.is_absolute() else (Path.cwd() / args.out)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    command = shlex.join(["python", "experiments/mfu_sweep.py", *argv])
+    specs = [] if args.report_only else plan(args)
+    if args.dry_run:
+        for spec in specs:
+            print(shlex.join(train_command(args, spec, args.out / "runs" / args.name / spec.name)))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, commands = load_previous(args) if (args.resume or args.report_only) else ([], [])
+    if not args.report_only:
+        run_all(args, specs, results, commands, command)
+    results_path = args.out / f"{args.name}.json"
+
+    plots_dir = args.out / args.name
+    ok_dirs = [args.out / r.dump_folder for r in results if r.status == "ok" and r.spec.instrumented]
+    failed = [r for r in results if r.status != "ok"]
+    if ok_dirs:
+        try:
+            write_report(args, results, ok_dirs, failed, plots_dir, commands)
+        except ImportError as e:  # e.g. no matplotlib on the GPU image: plots later, elsewhere
+            print(f"[mfu_sweep] no plots ({e}); make them with: python experiments/mfu_sweep.py "
+                  f"--out {args.out} --name {args.name} --report-only")
+    print(f"\n[mfu_sweep] {len(results) - len(failed)} ok, {len(failed)} failed"
+          + "".join(f"\n  failed: {r.spec.name}: {r.error}" for r in failed))
+    for row in instrument_cost(results):
+        shape = "".join(f" {k[0]}{row[k]}" for k in ("local_batch_size", "seq_len") if row[k] is not None)
+        print(f"  instrumentation cost {Path(row['recipe']).stem} {row['backend']}{shape}: "
+              f"{row['slowdown_pct']:+.2f}% tokens/s (median tokens/s, instrumented vs MOE_COMM_INSTRUMENT=0)")
+    print(f"[mfu_sweep] results: {results_path}; plots and table: {plots_dir}/")
+    if commands:
+        print("[mfu_sweep] for results/README.md:\n    " + "\n    ".join(commands))
+    return 0 if ok_dirs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

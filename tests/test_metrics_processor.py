@@ -1,0 +1,166 @@
+"""The metrics processor on 2 gloo ranks with fake instrumented layers: TorchTitan's metrics plus
+ours reach the JSONL and an offline W&B run, the console shows the comm line, MFU follows the
+peak rules, and `wandb sync` is printed at the end."""
+
+import glob
+import json
+import logging
+import math
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from metrics_fakes import free_port, init_gloo, make_fake
+from moe_comm.metrics import build_metrics_processor, instrument, keys
+
+
+def _job_config(dump_folder: str, extra: list[str]):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(
+        [
+            "--job.custom_config_module", "moe_comm.config",
+            "--job.dump_folder", dump_folder,
+            "--metrics.log_freq", "1",
+            "--parallelism.expert_parallel_degree", "2",
+            "--training.local_batch_size", "2",
+            "--training.seq_len", "3",
+        ]
+        + extra
+    )
+
+
+def _parallel_dims():
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims(
+        dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1, world_size=2
+    )
+
+
+def _worker(rank, port, dump_folder, extra, results, device_name=None):
+    from moe_comm.titan import cpu
+
+    cpu.apply()
+    if device_name:  # what torch.cuda.get_device_name() would say on that GPU
+        cpu.CpuDeviceModule.get_device_name = lambda device=None: device_name
+    init_gloo(rank, 2, port)
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    from torchtitan.tools.logging import logger
+
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        job_config = _job_config(dump_folder, extra)
+        processor = build_metrics_processor(job_config, _parallel_dims())
+        processor.num_flops_per_token = 1_000_000
+        layers = [instrument(make_fake("nvshmem")) for _ in range(2)]
+        topk_idx_TK = torch.tensor([[0, 2], [2, 3], [1, 0]])
+        for step in (1, 2):
+            x_TD = torch.randn(3, 8, requires_grad=True)
+            for layer in layers:
+                result = layer.dispatch(x_TD, topk_idx_TK, torch.rand(3, 2))
+                x_TD = layer.combine(result.recv_x_RD, result.handle)
+            x_TD.sum().backward()
+            time.sleep(0.05)  # a step of realistic length, so microseconds of logging don't count
+            processor.ntokens_since_last_log += 6
+            processor.data_loading_times.append(0.001)
+            processor.log(step, 1.0 / step, 1.0 / step, 0.5)
+        processor.close()
+        results[rank] = {"log": records, "peak": processor.peak.tflops}
+    finally:
+        logger.removeHandler(handler)
+        dist.destroy_process_group()
+
+
+def _run(tmp_path, extra, device_name=None):
+    results = mp.Manager().dict()
+    dump = str(tmp_path / "dump")
+    mp.spawn(_worker, args=(free_port(), dump, extra, results, device_name), nprocs=2)
+    return dump, dict(results)
+
+
+@pytest.fixture
+def offline_wandb(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for var in ("WANDB_MODE", "WANDB_RUN_NAME", "WANDB_RUN_GROUP", "WANDB_PROJECT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+
+
+def test_jsonl_wandb_console(tmp_path, offline_wandb):
+    dump, results = _run(
+        tmp_path,
+        ["--metrics.enable_wandb", "--moe_comm.backend", "nvshmem", "--moe_comm.num_sms", "24",
+         "--moe_comm.peak_tflops", "100"],
+    )
+    lines = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
+    assert [line["step"] for line in lines] == [1, 2]  # rank 0 only, one object per step
+    last = lines[-1]
+    for key in (keys.TPS, keys.MFU, keys.MEM_RESERVED, keys.LOSS) + (
+        keys.DISPATCH_MS, keys.COMBINE_MS, keys.DISPATCH_BWD_MS, keys.COMM_EXPOSED_PCT,
+        keys.STEP_MS, keys.IMBALANCE_RANK, keys.IMBALANCE_EXPERT, keys.SENT_GB, keys.COMM_BW,
+    ):
+        assert isinstance(last[key], (int, float)), key
+    assert last[keys.BACKEND] == "nvshmem"
+    assert last[keys.BACKEND_OPTIONS]["num_sms"] == 24
+    assert last[keys.SENDS_PER] == "rank"
+    assert last[keys.PEAK_TFLOPS] == 100.0
+    # MFU = flops/token * tokens/s / peak, with TorchTitan's tokens/s
+    assert last[keys.MFU] == pytest.approx(100 * 1e6 * last[keys.TPS] / 100e12, rel=1e-9)
+    assert 0 < last[keys.COMM_EXPOSED_PCT] < 100
+    # both ranks send 2 dedup rows per layer: 2 layers x 4 passes x 2 rows x 8 x fp32
+    assert last[keys.SENT_GB] == pytest.approx(2 * 4 * 2 * 8 * 4 / 1e9)
+    # global routing [2,1,2,1] on both ranks: experts 4/3 per layer... max 4 / mean 3
+    assert last[keys.IMBALANCE_EXPERT] == pytest.approx(4 / 3)
+
+    log0 = results[0]["log"]
+    comm_lines = [m for m in log0 if "moe_comm[nvshmem]" in m and "dispatch:" in m]
+    assert len(comm_lines) == 2 and "comm:" in comm_lines[0] and "sent:" in comm_lines[0]
+    sync_lines = [m for m in log0 if "wandb sync" in m]
+    assert len(sync_lines) == 1
+    run_dir = sync_lines[0].split("wandb sync ")[1].strip()
+    assert os.path.basename(run_dir).startswith("offline-run-")
+    assert glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    assert not any("wandb sync" in m for m in results[1]["log"])  # one run, from rank 0
+
+    # The offline run file holds protobuf records (wandb 0.31 ships no reader for it): its
+    # history keys, run name, group and config values are stored as plain strings, so a
+    # small run (under the 32 KiB record block) can be checked by searching its bytes.
+    run_bytes = open(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0], "rb").read()
+    for needle in (keys.COMM_EXPOSED_PCT, keys.DISPATCH_MS, keys.IMBALANCE_RANK, keys.MFU,
+                   "nvshmem-sm24", "default_job", "recv_capacity_factor", "ep2"):
+        assert needle.encode() in run_bytes, needle
+
+
+def test_unknown_gpu_gives_nan_mfu_and_a_warning(tmp_path, offline_wandb):
+    dump, results = _run(tmp_path, [])
+    last = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))][-1]
+    assert last[keys.MFU] is None  # NaN is written as null
+    assert last[keys.TFLOPS] > 0
+    assert math.isnan(results[0]["peak"])
+    log0 = results[0]["log"]
+    assert any("No dense bf16 peak known for GPU 'CPU'" in m and "peak_tflops" in m for m in log0)
+    assert any("mfu: n/a" in m for m in log0)
+
+
+def test_float8_on_h200_divides_by_the_8bit_peak(tmp_path, offline_wandb):
+    dump, results = _run(
+        tmp_path, ["--model.converters", "quantize.linear.float8,quantize.grouped_mm.float8"],
+        device_name="NVIDIA H200",
+    )
+    last = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))][-1]
+    assert last[keys.PEAK_DTYPE] == "fp8" and last[keys.PEAK_TFLOPS] == 1979.0
+    assert last[keys.MFU] == pytest.approx(100 * 1e6 * last[keys.TPS] / 1979e12, rel=1e-9)
+    # the bf16-peak figure uses the processor's own tokens/s (microseconds apart from TorchTitan's)
+    assert last[keys.MFU_BF16] == pytest.approx(last[keys.MFU] * 1979 / 989, rel=1e-3)
+    log0 = results[0]["log"]
+    assert any("lower bound" in m and "Compare bf16 and 8-bit runs by tokens/s" in m for m in log0)
+    assert any("mfu vs fp8 peak; vs bf16 peak:" in m for m in log0)

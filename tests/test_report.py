@@ -1,0 +1,70 @@
+"""`python -m moe_comm report` on two small synthetic runs written by the real JSONL logger."""
+
+import json
+
+from moe_comm.__main__ import main as cli_main
+from moe_comm.metrics import keys
+from moe_comm.metrics.processor import JsonlLogger
+
+
+def _write_run(folder, backend, num_sms, tps, dispatch_ms, combine_ms, step_ms):
+    static = {
+        keys.RECIPE: "debug_cpu",
+        keys.BACKEND: backend,
+        keys.BACKEND_OPTIONS: {"num_sms": num_sms, "max_tokens_per_rank": 0},
+        keys.DEVICE: "NVIDIA H200",
+        keys.PEAK_DTYPE: "bf16",
+        keys.LOCAL_BATCH: 2,
+        keys.SEQ_LEN: 256,
+    }
+    jsonl = JsonlLogger(str(folder / "metrics.jsonl"), static)
+    for step in range(1, 6):
+        warm = step == 1  # a slow first step the medians must leave out
+        jsonl.log(
+            {
+                keys.TPS: tps / 10 if warm else tps,
+                keys.TFLOPS: tps * 0.5,
+                keys.MFU: float("nan") if warm else tps / 100,
+                keys.LOSS: 10.0 - step,
+                keys.MEM_RESERVED: 40.0 + step,
+                keys.DISPATCH_MS: dispatch_ms,
+                keys.COMBINE_MS: combine_ms,
+                keys.COMM_MS: dispatch_ms + combine_ms,
+                keys.STEP_MS: step_ms * 10 if warm else step_ms,
+                keys.COMM_EXPOSED_PCT: 100 * (dispatch_ms + combine_ms) / step_ms,
+                keys.SENT_GB: 0.25,
+                keys.IMBALANCE_RANK: 1.1,
+            },
+            step,
+        )
+    jsonl.close()
+
+
+def test_report_two_runs(tmp_path):
+    _write_run(tmp_path / "nccl_run", "nccl", 20, 1000.0, 3.0, 4.0, 100.0)
+    _write_run(tmp_path / "nvshmem_run", "nvshmem", 24, 1200.0, 1.0, 1.5, 80.0)
+    out = tmp_path / "report"
+    # folders given in any order; nccl sorts first as the baseline
+    rc = cli_main(["report", str(tmp_path / "nvshmem_run"), str(tmp_path / "nccl_run"), "--out", str(out)])
+    assert rc == 0
+    for name in ("report.md", "summary.json", "tps.png", "mfu.png", "comm_exposed.png",
+                 "memory.png", "loss.png", "step_breakdown.png"):
+        path = out / name
+        assert path.is_file() and path.stat().st_size > 0, name
+    assert (out / "tps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| debug_cpu")]
+    assert rows == [
+        "| debug_cpu | nccl | b2xs256 | 1,000 | 1.000 | 500.0 | 10.00 | 7.0 | 3.00 | 4.00 | "
+        "100.0 | 0.250 | 1.100 | 45.0 | 5.0000 |",
+        "| debug_cpu | nvshmem-sm24 | b2xs256 | 1,200 | 1.200 | 600.0 | 12.00 | 3.1 | 1.00 | 1.50 | "
+        "80.0 | 0.250 | 1.100 | 45.0 | 5.0000 |",
+    ]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["steps_summarized"] for s in summary] == [[3, 4, 5], [3, 4, 5]]
+    assert summary[1]["vs_nccl"] == 1.2
+
+
+def test_report_without_runs_fails_clearly(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 1
+    assert "no metrics.jsonl under" in capsys.readouterr().out

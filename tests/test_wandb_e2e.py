@@ -1,0 +1,63 @@
+"""End to end on CPU: `python -m moe_comm train recipes/debug_cpu.toml --training.steps 3`
+(2 ranks, EP=2, gloo) writes the comm breakdown to its console line, its JSONL and an offline
+W&B run, and prints the `wandb sync` command."""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from moe_comm.metrics import keys
+
+REPO = Path(__file__).resolve().parents[1]
+
+NEW_KEYS = (
+    keys.DISPATCH_MS, keys.COMBINE_MS, keys.DISPATCH_FWD_MS, keys.DISPATCH_BWD_MS,
+    keys.COMBINE_FWD_MS, keys.COMBINE_BWD_MS, keys.COMM_MS, keys.STEP_MS, keys.COMM_EXPOSED_PCT,
+    keys.IMBALANCE_RANK, keys.IMBALANCE_EXPERT, keys.SENT_GB, keys.COMM_BW,
+)
+
+
+def test_cpu_default_recipe_logs_comm_breakdown(tmp_path):
+    dump = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["WANDB_SILENT"] = "true"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_comm", "train", "recipes/debug_cpu.toml",
+         "--training.steps", "3", "--metrics.enable_wandb", "--job.dump_folder", str(dump)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=540,
+    )
+    console = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    assert proc.returncode == 0, console[-4000:]
+
+    # console: TorchTitan's line, then ours for the same step
+    comm_lines = [line for line in console.splitlines() if "moe_comm[nccl]  dispatch:" in line]
+    assert len(comm_lines) == 3, console[-4000:]
+    assert re.search(r"step:  3  moe_comm\[nccl\]  dispatch: [\d.]+ms  combine: [\d.]+ms  "
+                     r"comm: [\d.]+% of \d+ms step  imbalance rank/expert: [\d.]+/[\d.]+  "
+                     r"sent: [\d.]+GB  mfu: n/a", comm_lines[-1])
+
+    # JSONL: one object per step with TorchTitan's and our keys
+    lines = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        for key in NEW_KEYS + (keys.TPS, keys.TFLOPS, keys.LOSS, keys.MEM_RESERVED):
+            assert isinstance(line[key], (int, float)), key
+        assert line[keys.BACKEND] == "nccl" and line[keys.RECIPE] == "debug_cpu"
+        assert line[keys.EP_SIZE] == 2 and line[keys.SENDS_PER] == "expert"
+        assert line[keys.MFU] is None  # CPU: no peak, so no MFU rather than a wrong one
+        assert line[keys.SENT_GB] > 0 and line[keys.IMBALANCE_EXPERT] >= 1.0
+        assert 0 < line[keys.COMM_EXPOSED_PCT] < 100
+
+    # offline W&B run, and the command that uploads it
+    sync = re.search(r"wandb sync (\S+)", console)
+    assert sync, console[-4000:]
+    run_dir = Path(sync.group(1))
+    assert run_dir.name.startswith("offline-run-") and str(run_dir).startswith(str(dump))
+    # protobuf records; keys, name and group are plain strings inside (small run: one block)
+    run_bytes = Path(glob.glob(str(run_dir / "run-*.wandb"))[0]).read_bytes()
+    for needle in NEW_KEYS + (keys.MFU, "debug_cpu", "recv_capacity_factor"):
+        assert needle.encode() in run_bytes, needle
