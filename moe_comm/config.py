@@ -30,7 +30,52 @@ class MoEComm:
     its tokens here: max_tokens_per_rank * ep_size * min(top_k, local experts). Routed rows
     beyond capacity raise an error naming this field; they are never dropped."""
 
+    peak_tflops: float = 0.0
+    """Peak dense TFLOPS of one GPU for MFU; 0 means look it up from the GPU's name
+    (moe_comm.metrics.peaks). Set it for a GPU the table does not know, or MFU is not logged."""
+
+
+@dataclass
+class Cluster:
+    """Where `python -m moe_comm submit` sends the recipe (Slurm; Soperator on Nebius).
+
+    `submit` renders slurm/train.sbatch from these fields; `--cluster.FIELD VALUE` on its
+    command line overrides any of them (`--nodes N` is short for `--cluster.nodes N`)."""
+
+    nodes: int = 1
+    """Slurm nodes; nodes * gpus_per_node must match the recipe's parallel layout."""
+    gpus_per_node: int = 8
+    """Training processes per node: one per GPU (on CPU recipes, simply the process count)."""
+    request_gpus: bool = True
+    """Ask Slurm for gpus_per_node GPUs per node (#SBATCH --gpus-per-node). False for CPU
+    recipes, where gpus_per_node only counts processes."""
+    partition: str = ""
+    """Slurm partition; empty means the cluster's default partition."""
+    time: str = "04:00:00"
+    """Wall-clock limit (#SBATCH --time), [D-]HH:MM:SS."""
+    account: str = ""
+    """Slurm account to charge; empty means the user's default."""
+    job_name: str = ""
+    """Slurm job name; empty means the recipe file's stem. When set, the job dumps into
+    {job.dump_folder}/{job_name}: its own checkpoints, found again by a requeue or resubmit."""
+    venv: str = ""
+    """Python environment on the shared jail filesystem, e.g. /opt/venvs/moe-comm. Empty means
+    the venv `submit` runs from (login and worker nodes share the jail, so the path is valid)."""
+    container_image: str = ""
+    """A pyxis/enroot image instead of a venv, passed to `srun --container-image` (not to
+    #SBATCH: pyxis would run the batch script itself in the container, where srun is missing)."""
+    container_mounts: str = ""
+    """pyxis --container-mounts; empty mounts the repository at the same path."""
+    env_file: str = "slurm/env/nebius-b200.sh"
+    """NCCL/NVSHMEM environment for the platform, sourced by the job (relative to the repo)."""
+    requeue: bool = True
+    """#SBATCH --requeue, and checkpointing forced on so a requeued job resumes from the last
+    checkpoint in the same dump folder."""
+    sbatch_args: list[str] = field(default_factory=list)
+    """Extra #SBATCH options, e.g. ["--qos=high", "--reservation=r1"]."""
+
 
 @dataclass
 class JobConfig:
     moe_comm: MoEComm = field(default_factory=MoEComm)
+    cluster: Cluster = field(default_factory=Cluster)

@@ -67,7 +67,12 @@ def find_jsonl(path: Path) -> list[Path]:
 
 
 def load_run(jsonl: Path) -> Run:
-    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    by_step = {}  # a resumed run appends the steps after its checkpoint again: keep the last
+    for line in jsonl.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]] = record
+    records = [by_step[step] for step in sorted(by_step)]
     if not records:
         raise ValueError(f"{jsonl} has no steps (did the run reach its first log step?)")
     static_keys = (keys.RECIPE, keys.BACKEND, keys.BACKEND_OPTIONS, keys.DEVICE, keys.PEAK_DTYPE,

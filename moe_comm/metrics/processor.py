@@ -49,8 +49,9 @@ class JsonlLogger(BaseLogger):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
         self.static_fields = static_fields
-        # a new run starts a new file; flushed per line so a crashed run keeps its steps
-        self._file = open(path, "w")
+        # appended, so a requeued job that resumes from a checkpoint keeps the first attempt's
+        # steps (readers keep the last record of a step); flushed per line for crashed runs
+        self._file = open(path, "a")
         logger.info(f"Per-step metrics (JSONL): {path}")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:

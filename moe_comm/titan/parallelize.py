@@ -1,0 +1,140 @@
+"""Our deepseek_v3 parallelize_fn: TorchTitan's, with our expert-parallel hook.
+
+It is `torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` step for step,
+composed from TorchTitan's own functions (apply_non_moe_tp, apply_ac, apply_compile, apply_fsdp,
+apply_ddp), except that expert parallelism goes through `apply_backend_ep` (the [moe_comm]
+backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks.
+"""
+
+import torch
+import torch.nn as nn
+from torchtitan.config import JobConfig, TORCH_DTYPE_MAP
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.tensor_parallel import maybe_enable_async_tp
+from torchtitan.models.deepseek_v3.infra import parallelize as titan_dsv3
+from torchtitan.models.llama3.infra.parallelize import apply_ddp
+from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp, apply_moe_ep_tp
+from torchtitan.tools.logging import logger
+
+from moe_comm.titan import cpu
+from moe_comm.titan.expert_parallel import apply_backend_ep
+
+
+def sac_save_list(backend: str) -> set:
+    """TorchTitan's selective-AC save list plus the chosen backend's comm ops, so selective AC
+    never re-runs dispatch/combine in the backward (the nccl backend's all-to-all is on it)."""
+    save_list = set(titan_dsv3._op_sac_save_list)
+    if backend == "nvshmem":
+        import moe_comm.backends.nvshmem  # noqa: F401  registers torch.ops.moe_comm
+
+        if hasattr(torch.ops.moe_comm, "dispatch"):
+            save_list.add(torch.ops.moe_comm.dispatch.default)
+            save_list.add(torch.ops.moe_comm.combine.default)
+    elif backend == "deepep":
+        import moe_comm.backends.deepep  # noqa: F401  registers torch.ops.deepep
+
+        save_list.add(torch.ops.deepep.dispatch.default)
+        save_list.add(torch.ops.deepep.combine.default)
+    return save_list
+
+
+def parallelize_deepseekv3_moe_comm(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+) -> nn.Module:
+    if job_config.training.seq_len % parallel_dims.seq_len_divisor != 0:
+        raise ValueError(
+            f"[training] seq_len = {job_config.training.seq_len} must be divisible by "
+            f"{parallel_dims.seq_len_divisor} (TP degree x 2 x CP degree)"
+        )
+    if job_config.parallelism.expert_parallel_comm_backend != "standard":
+        raise ValueError(
+            "[parallelism] expert_parallel_comm_backend must stay \"standard\" with "
+            "model name deepseek_v3_moe_comm; choose the backend with [moe_comm] backend"
+        )
+    if parallel_dims.tp_enabled and parallel_dims.ep_enabled:
+        raise NotImplementedError(
+            "[parallelism] tensor_parallel_degree > 1 together with expert_parallel_degree > 1 "
+            "is not supported by the moe_comm EP hook; use FSDP/PP with EP, or TP without EP"
+        )
+    attn_type = getattr(model.model_args, "attn_type", "sdpa")
+    if parallel_dims.cp_enabled and attn_type != "sdpa":
+        raise NotImplementedError(
+            f"Context parallel needs SDPA attention; this flavor uses {attn_type!r}"
+        )
+
+    if parallel_dims.tp_enabled:
+        if "float8" in job_config.model.converters and job_config.quantize.linear.float8.recipe_name not in (
+            "rowwise",
+            "rowwise_with_gw_hp",
+        ):
+            raise NotImplementedError("float8 tensorwise TP is not tested for deepseek_v3")
+        tp_mesh = parallel_dims.get_mesh("tp")
+        titan_dsv3.apply_non_moe_tp(
+            model,
+            tp_mesh,
+            loss_parallel=not job_config.parallelism.disable_loss_parallel,
+            enable_float8_tensorwise_tp=False,
+            cp_enabled=parallel_dims.cp_enabled,
+        )
+        maybe_enable_async_tp(job_config, tp_mesh)
+        # TP without EP: TorchTitan's own expert TP (the MoE keeps its standard forward).
+        apply_moe_ep_tp(
+            model,
+            tp_mesh=tp_mesh,
+            ep_mesh=None,
+            etp_mesh=None,
+            ep_etp_mesh=None,
+        )
+
+    if parallel_dims.ep_enabled:
+        apply_backend_ep(model, parallel_dims.get_mesh("ep"), job_config.moe_comm)
+
+    if parallel_dims.cp_enabled:
+        from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
+
+        apply_cp_to_attention_module(
+            [block.attention.inner_attention for block in model.layers.values()],
+            parallel_dims.get_mesh("cp"),
+            attn_type,
+        )
+
+    model_compile_enabled = job_config.compile.enable and "model" in job_config.compile.components
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(
+            model,
+            job_config.activation_checkpoint,
+            model_compile_enabled=model_compile_enabled,
+            op_sac_save_list=sac_save_list(job_config.moe_comm.backend),
+            base_folder=job_config.job.dump_folder,
+        )
+    if model_compile_enabled:
+        apply_compile(model, job_config.compile, parallel_dims.ep_enabled)
+
+    if parallel_dims.fsdp_enabled or parallel_dims.ep_enabled:
+        dp_mesh_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        edp_mesh_names = (
+            ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
+        )
+        apply_fsdp(
+            model,
+            parallel_dims.get_mesh(dp_mesh_names),
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=job_config.training.enable_cpu_offload,
+            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+            ep_degree=parallel_dims.ep,
+            edp_mesh=parallel_dims.get_optional_mesh(edp_mesh_names),
+            gradient_divide_factor=parallel_dims.fsdp_gradient_divide_factor,
+        )
+        logger.info("Applied %s to the model", "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP")
+    elif parallel_dims.dp_replicate_enabled:
+        dp_mesh = parallel_dims.get_mesh("dp_replicate")
+        if dp_mesh.ndim > 1:
+            raise RuntimeError("DDP has not supported > 1D parallelism")
+        apply_ddp(model, dp_mesh, enable_compile=model_compile_enabled)
+
+    if not torch.cuda.is_available():
+        cpu.force_sum_reduction(model)
+    return model

@@ -1,0 +1,139 @@
+"""Recipe parsing and every bad-input error `moe_comm.recipe.load` raises (before any process
+starts); each error must name the field and say the fix."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from moe_comm import recipe
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = (REPO / "recipes" / "debug_cpu.toml").read_text()
+GPU_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.toml") if "cpu" not in p.name)
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(REPO)  # recipes name paths relative to the repository root
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _edit(old: str, new: str) -> str:
+    assert old in DEBUG, old
+    return DEBUG.replace(old, new)
+
+
+def test_debug_recipe_resolves():
+    r = recipe.load("recipes/debug_cpu.toml", device="cpu")
+    lay = r.layout
+    assert (lay.world, lay.dp_shard, lay.ep, lay.pp, lay.tp) == (2, 2, 2, 1, 1)
+    assert r.config.moe_comm.backend == "nccl"
+    assert r.config.model.name == "deepseek_v3_moe_comm"
+
+
+def test_overrides_apply():
+    r = recipe.load("recipes/debug_cpu.toml", ["--training.steps", "3", "--moe_comm.num_sms", "8"], device="cpu")
+    assert r.config.training.steps == 3 and r.config.moe_comm.num_sms == 8
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipes_resolve(name):
+    r = recipe.load(f"recipes/{name}", device="cuda", check_paths=False)
+    assert r.layout.world == r.config.cluster.nodes * r.config.cluster.gpus_per_node
+    assert r.config.model.name == "deepseek_v3_moe_comm"
+
+
+def test_flagship_layout():
+    lay = recipe.load("recipes/deepseek_v3_671b_b200.toml", device="cuda", check_paths=False).layout
+    assert (lay.world, lay.dp_shard, lay.pp, lay.ep, lay.efsdp) == (256, 32, 8, 32, 1)
+
+
+def test_nproc_override_changes_world():
+    r = recipe.load("recipes/debug_cpu.toml", device="cpu", nproc_per_node=4)
+    assert (r.layout.world, r.layout.dp_shard) == (4, 4)
+
+
+BAD = [
+    # (description, edit, words the message must contain)
+    ("unknown key", ("lr = 8e-4", "lr = 8e-4\nlearning_rate = 1"), ["[optimizer] learning_rate", "valid:"]),
+    ("typo gets a suggestion", ("\nsteps = 5", "\nstepz = 5"), ["[training] stepz", "did you mean 'steps'"]),
+    ("unknown section", ("[debug]", "[debugg]\n[debug]"), ["[debugg]", "did you mean 'debug'"]),
+    ("unknown moe_comm key", ('backend = "nccl"', 'backend = "nccl"\nsms = 4'), ["[moe_comm] sms"]),
+    ("bad backend", ('backend = "nccl"', 'backend = "mpi"'), ["[moe_comm] backend", "'mpi'"]),
+    ("gpu backend on cpu", ('backend = "nccl"', 'backend = "nvshmem"'), ["[moe_comm] backend", "needs CUDA", "nccl"]),
+    ("num_sms out of range", ('backend = "nccl"', 'backend = "nccl"\nnum_sms = 0'), ["[moe_comm] num_sms"]),
+    ("capacity factor below 1", ('backend = "nccl"', 'backend = "nccl"\nrecv_capacity_factor = 0.5'), ["[moe_comm] recv_capacity_factor"]),
+    ("max tokens below the batch", ('backend = "nccl"', 'backend = "nccl"\nmax_tokens_per_rank = 100'), ["[moe_comm] max_tokens_per_rank", "512"]),
+    ("negative max tokens", ('backend = "nccl"', 'backend = "nccl"\nmax_tokens_per_rank = -1'), ["[moe_comm] max_tokens_per_rank"]),
+    ("EP not dividing experts", ("expert_parallel_degree = 2", "expert_parallel_degree = 3"), ["expert_parallel_degree = 3"]),
+    ("EP not dividing the world", ("gpus_per_node = 2 ", "gpus_per_node = 3 "), ["expert_parallel_degree = 2", "must divide"]),
+    ("world size mismatch", ("data_parallel_shard_degree = -1", "data_parallel_shard_degree = 4"), ["world size is 2", "data_parallel_shard_degree"]),
+    ("world not divisible", ("pipeline_parallel_degree = 1", "pipeline_parallel_degree = 4"), ["world size 2", "not divisible"]),
+    ("missing tokenizer", ('hf_assets_path = "./assets/tiny"', 'hf_assets_path = "./assets/nothere"'), ["[model] hf_assets_path", "absolute path"]),
+    ("tokenizer folder without tokenizer", ('hf_assets_path = "./assets/tiny"', 'hf_assets_path = "./recipes"'), ["[model] hf_assets_path", "tokenizer.json"]),
+    ("missing dataset", ('dataset_path = "./assets/tiny/c4_tiny"', 'dataset_path = "./assets/tiny/none"'), ["[training] dataset_path"]),
+    ("unknown dataset", ('dataset = "c4_test"', 'dataset = "pile"'), ["[training] dataset", "'pile'"]),
+    ("unknown flavor", ('flavor = "debugmodel"', 'flavor = "1T"'), ["[model] flavor", "671B_layers"]),
+    ("flex flavor on cpu", ('flavor = "debugmodel"', 'flavor = "debugmodel_flex_attn"'), ["[model] flavor", "CPU"]),
+    ("unknown model", ('name = "deepseek_v3_moe_comm"', 'name = "llama3"'), ["[model] name", "deepseek_v3_moe_comm"]),
+    ("converters on cpu", ('flavor = "debugmodel"', 'flavor = "debugmodel"\nconverters = ["quantize.linear.float8"]'), ["[model] converters"]),
+    ("unknown converter", ('flavor = "debugmodel"', 'flavor = "debugmodel"\nconverters = ["float9"]'), ["[model] converters", "float9"]),
+    ("missing custom_config_module", ('custom_config_module = "moe_comm.config"', ""), ["[job] custom_config_module", "moe_comm.config"]),
+    ("missing custom_import", ('custom_import = "moe_comm.titan"', ""), ["[experimental] custom_import", "moe_comm.titan"]),
+    ("titan deepep switch", ("expert_parallel_degree = 2", 'expert_parallel_degree = 2\nexpert_parallel_comm_backend = "deepep"'), ["expert_parallel_comm_backend", "[moe_comm] backend"]),
+    ("TP with EP", ("data_parallel_shard_degree = -1\ntensor_parallel_degree = 1", "data_parallel_shard_degree = 1\ntensor_parallel_degree = 2"), ["tensor_parallel_degree", "expert_parallel_degree"]),
+    ("wrong type", ("\nsteps = 5", '\nsteps = "ten"'), ["[training] steps", "int"]),
+    ("section that is not a table", ("[checkpoint]\nenable = false", "[checkpoint]\nenable = false\n[checkpoint.folder]"), ["[checkpoint] folder"]),
+]
+
+
+@pytest.mark.parametrize("what,edit,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_recipe(tmp_path, what, edit, words):
+    path = _write(tmp_path, _edit(*edit))
+    with pytest.raises(recipe.RecipeError) as e:
+        recipe.load(path, device="cpu")
+    for word in words:
+        assert word in str(e.value), f"{what}: {word!r} not in {str(e.value)!r}"
+
+
+def test_tp_without_divisible_seq(tmp_path):
+    text = _edit("expert_parallel_degree = 2", "expert_parallel_degree = 1")
+    text = text.replace("data_parallel_shard_degree = -1\ntensor_parallel_degree = 1", "data_parallel_shard_degree = 1\ntensor_parallel_degree = 2")
+    text = text.replace("seq_len = 256", "seq_len = 255")
+    with pytest.raises(recipe.RecipeError, match=r"\[training\] seq_len = 255"):
+        recipe.load(_write(tmp_path, text), device="cpu")
+
+
+def test_deepep_with_grouped_mm_converter():
+    with pytest.raises(recipe.RecipeError, match=r"backend = \"deepep\" does not pad"):
+        recipe.load(
+            "recipes/deepseek_v3_671b_b200_mxfp8.toml", ["--moe_comm.backend", "deepep"],
+            device="cuda", check_paths=False,
+        )
+
+
+def test_missing_file():
+    with pytest.raises(recipe.RecipeError, match="does not exist"):
+        recipe.load("recipes/nope.toml", device="cpu")
+
+
+def test_invalid_toml(tmp_path):
+    with pytest.raises(recipe.RecipeError, match="not valid TOML"):
+        recipe.load(_write(tmp_path, DEBUG + "\n[job\n"), device="cpu")
+
+
+def test_bad_override():
+    with pytest.raises(recipe.RecipeError, match="bad override"):
+        recipe.load("recipes/debug_cpu.toml", ["--training.stepz", "3"], device="cpu")
+
+
+def test_relative_paths_need_repo_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(recipe.RecipeError, match="repository root"):
+        recipe.load(str(REPO / "recipes" / "debug_cpu.toml"), device="cpu")
