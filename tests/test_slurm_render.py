@@ -83,7 +83,8 @@ def test_cpu_script_directives_first_and_one_task_per_node():
 
 
 def test_gpu_script_asks_for_gpus_and_sources_the_platform_env():
-    script = dry_run(DEBUG_CPU, "--nodes", "4", "--cluster.gpus_per_node", "8", "--cluster.partition", "b200",
+    script = dry_run(DEBUG_CPU, "--nodes", "4", "--cluster.gpus_per_node", "8", "--cluster.request_gpus", "true",
+                     "--cluster.env_file", "slurm/env/nebius-b200.sh", "--cluster.partition", "b200",
                      "--cluster.account", "team", "--cluster.sbatch_args", "--qos=high")
     d = sbatch_directives(script)
     assert d["--nodes"] == "4" and d["--gpus-per-node"] == "8" and d["--partition"] == "b200"
