@@ -78,6 +78,7 @@ class NvshmemBackend(CommBackend):
             raise RuntimeError('the nvshmem backend needs CUDA GPUs; on CPU use [moe_comm] backend = "nccl"')
         load_library(ep_group)
         self.runtime: NvshmemRuntime | None = None
+        self.max_tokens = 0  # set with the buffers at the first dispatch
         self.capacity = 0
         # Warp roles per block (experiments/bench_comm.py sweeps them).
         self.sender_warps = DISPATCH_SENDER_WARPS
