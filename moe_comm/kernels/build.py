@@ -1,11 +1,12 @@
 """Build the CUDA dispatch/combine extension (csrc/) against the nvidia-nvshmem-cu13 wheel.
 
 torch.utils.cpp_extension's JIT path cannot device-link relocatable objects, which NVSHMEM's
-device library needs, so this module runs the three steps itself, with torch's own include
+device library needs, so this module runs the steps itself, with torch's own include
 paths and ABI flag:
   1. nvcc -rdc=true each .cu (and c++ for the torch op bindings);
-  2. nvcc -dlink against libnvshmem_device (the compile-only check stops here);
-  3. nvcc -shared against torch and libnvshmem_host.so.3 (rpath to the wheel).
+  2. nvcc -shared against libnvshmem_device, torch and libnvshmem_host.so.3 (rpath to the wheel);
+     nvcc device-links the relocatable objects itself. The compile-only check (CI) runs that
+     device link as a step of its own (nvcc -dlink) instead of linking the library.
 The library lands in a cache folder keyed by the source hash, GPU architectures, torch version
 and nvcc version, so the first use builds it (about a minute) and later uses load it.
 
@@ -114,21 +115,22 @@ def build(archs: tuple[str, ...], out_dir: Path, compile_only: bool = False, ver
             cmd.insert(1, "-Xptxas=-v")
         _run(cmd)
         cuda_objects.append(obj)
-    dlink = build_dir / "dlink.o"
-    _run([nvcc, "-dlink", "-Xcompiler", "-fPIC", *gencode, *map(str, cuda_objects), f"-L{nv / 'lib'}",
-          "-lnvshmem_device", "-o", str(dlink)])
-
     host_objects = []
     cxx = os.environ.get("CXX", "c++")
-    if compile_only and torch.version.cuda is None:
+    if torch.version.cuda is None:
         # A CPU torch ships no c10/cuda build headers: the torch op bindings need a CUDA torch.
-        print(f"compile-only: skipped {', '.join(p.name for p in host_sources)} (this torch has no CUDA headers)")
-        return dlink
-    for src in host_sources:
-        obj = build_dir / (src.stem + ".o")
-        _run([cxx, "-c", "-O2", "-std=c++20", "-fPIC", abi, *includes, *torch_includes, str(src), "-o", str(obj)])
-        host_objects.append(obj)
+        print(f"skipped {', '.join(p.name for p in host_sources)} (this torch has no CUDA headers)")
+    else:
+        for src in host_sources:
+            obj = build_dir / (src.stem + ".o")
+            _run([cxx, "-c", "-O2", "-std=c++20", "-fPIC", abi, *includes, *torch_includes, str(src), "-o", str(obj)])
+            host_objects.append(obj)
     if compile_only:
+        # What a full build's link does implicitly, as its own step: the relocatable objects
+        # device-link against libnvshmem_device.
+        dlink = build_dir / "dlink.o"
+        _run([nvcc, "-dlink", "-Xcompiler", "-fPIC", *gencode, *map(str, cuda_objects), f"-L{nv / 'lib'}",
+              "-lnvshmem_device", "-o", str(dlink)])
         return dlink
 
     library = out_dir / LIBRARY_NAME
