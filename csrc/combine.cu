@@ -44,12 +44,25 @@ __device__ __forceinline__ SlotRows load_slot_rows(const CombineArgs& a, int64_t
   return r;
 }
 
+// Picks whose loads add_slot issues before it uses the first: more loads in flight per lane,
+// bounded by the 64 registers a thread has at 1024 threads per block.
+constexpr int kPicksInFlight = 4;
+
+// acc += sum over the slot's picks of weight * y[row], for the lane's vector v.
 template <typename T>
 __device__ __forceinline__ void add_slot(float (&acc)[Vec<T>::kElems], const SlotRows& r, const uint4* y,
                                          int row_vecs, int v) {
 #pragma unroll
-  for (int k = 0; k < kMaxTopK; ++k) {
-    if (r.row[k] >= 0) accumulate<T>(acc, y[(int64_t)r.row[k] * row_vecs + v], r.weight[k]);
+  for (int k0 = 0; k0 < kMaxTopK; k0 += kPicksInFlight) {
+    uint4 value[kPicksInFlight];
+#pragma unroll
+    for (int k = 0; k < kPicksInFlight; ++k) {
+      if (r.row[k0 + k] >= 0) value[k] = __ldg(y + (int64_t)r.row[k0 + k] * row_vecs + v);
+    }
+#pragma unroll
+    for (int k = 0; k < kPicksInFlight; ++k) {
+      if (r.row[k0 + k] >= 0) accumulate<T>(acc, value[k], r.weight[k0 + k]);
+    }
   }
 }
 

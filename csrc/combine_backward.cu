@@ -41,21 +41,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     for (int t = sender; t < a.num_tokens; t += senders) {
       const int my_slot = lane < world ? a.token_slot[(int64_t)t * world + lane] : -1;
       uint4* dst[kMaxRanks];
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        const int slot = __shfl_sync(0xffffffffu, my_slot, d < world ? d : 0);
-        dst[d] = (d < world && d != rank && slot >= 0)
-                     ? reinterpret_cast<uint4*>(buf.peer_rows[d]) + ((int64_t)rank * buf.max_tokens + slot) * row_stride
-                     : nullptr;
-      }
-      const uint4* src = grad_out + (int64_t)t * a.row_vecs;
-      for (int v = lane; v < a.row_vecs; v += kWarpSize) {
-        const uint4 value = src[v];
-#pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
-          if (dst[d] != nullptr) dst[d][v] = value;
-        }
-      }
+      peer_row_destinations(dst, buf.peer_rows, my_slot, world, rank, buf.max_tokens, row_stride);
+      copy_row(grad_out + (int64_t)t * a.row_vecs, dst, a.row_vecs, lane);
       __threadfence_system();
       __syncwarp();
       if (lane < world && lane != rank && my_slot >= 0) {
@@ -118,7 +105,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
         for (int k = 0; k < kMaxTopK; ++k) {
           if (rows[k] < 0) continue;
           grad_y[(int64_t)rows[k] * a.row_vecs + v] = pack<T>(gf, weights[k]);
-          dots[k] += dot16<T>(g, y[(int64_t)rows[k] * a.row_vecs + v]);
+          dots[k] += dot16<T>(g, __ldg(y + (int64_t)rows[k] * a.row_vecs + v));
         }
       }
       float* grad_w_home = s == rank ? nullptr : buf.peer_grad_w[s] + (int64_t)token * kMaxTopK;

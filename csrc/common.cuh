@@ -24,6 +24,10 @@ constexpr int kMaxRanks = 8;
 constexpr int kWarpSize = 32;
 constexpr int kThreadsPerBlock = 1024;
 constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarpSize;
+// 16-byte vectors each lane loads before it stores any when copying a row: with one load in
+// flight per lane a row copy waits one memory round trip per 512 bytes of the warp, and the
+// copies (not the link) then bound the kernels.
+constexpr int kCopyUnroll = 4;
 
 // Words of the error array the host reads (mapped pinned memory; plain stores, no atomics).
 constexpr int kErrorRowsNeeded = 0;       // rows a call needed when they exceeded the capacity
@@ -122,6 +126,47 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+
+// One warp copies a row of `row_vecs` 16-byte vectors from `src` to every non-null `dst[i]`
+// (peers' buffers through NVLink, or expert-major rows in HBM), kCopyUnroll loads in flight per
+// lane. `src` must not be written by anyone while the copy runs.
+template <int kDsts>
+__device__ __forceinline__ void copy_row(const uint4* src, uint4* const (&dst)[kDsts], int row_vecs, int lane) {
+  int v = lane;
+  for (; v + (kCopyUnroll - 1) * kWarpSize < row_vecs; v += kCopyUnroll * kWarpSize) {
+    uint4 value[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) value[u] = src[v + u * kWarpSize];
+#pragma unroll
+    for (int d = 0; d < kDsts; ++d) {
+      if (dst[d] == nullptr) continue;
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) dst[d][v + u * kWarpSize] = value[u];
+    }
+  }
+  for (; v < row_vecs; v += kWarpSize) {
+    const uint4 value = src[v];
+#pragma unroll
+    for (int d = 0; d < kDsts; ++d) {
+      if (dst[d] != nullptr) dst[d][v] = value;
+    }
+  }
+}
+
+// The destinations of one token's row at its peers: the slot each peer assigned it in that
+// peer's `rows` buffer, or nullptr for the own rank and for peers the token does not go to.
+// `my_slot` is lane d's slot at rank d (-1: not sent there).
+__device__ __forceinline__ void peer_row_destinations(uint4* (&dst)[kMaxRanks], uint8_t* const (&peer_rows)[kMaxRanks],
+                                                      int my_slot, int world, int rank, int64_t max_tokens,
+                                                      int row_stride) {
+#pragma unroll
+  for (int d = 0; d < kMaxRanks; ++d) {
+    const int slot = __shfl_sync(0xffffffffu, my_slot, d < world ? d : 0);
+    dst[d] = (d < world && d != rank && slot >= 0)
+                 ? reinterpret_cast<uint4*>(peer_rows[d]) + ((int64_t)rank * max_tokens + slot) * row_stride
+                 : nullptr;
+  }
 }
 
 __device__ __forceinline__ int round_up(int x, int align) { return (x + align - 1) / align * align; }

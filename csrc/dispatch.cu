@@ -158,21 +158,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       }
       // The row, loaded once and stored to every other destination.
       uint4* dst[kMaxRanks];
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        const int slot = __shfl_sync(0xffffffffu, my_slot, d < world ? d : 0);
-        dst[d] = (d < world && d != rank && slot >= 0)
-                     ? reinterpret_cast<uint4*>(buf.peer_rows[d]) + ((int64_t)rank * buf.max_tokens + slot) * row_stride
-                     : nullptr;
-      }
-      const uint4* src = x + (int64_t)t * a.row_vecs;
-      for (int v = lane; v < a.row_vecs; v += kWarpSize) {
-        const uint4 value = src[v];
-#pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
-          if (dst[d] != nullptr) dst[d][v] = value;
-        }
-      }
+      peer_row_destinations(dst, buf.peer_rows, my_slot, world, rank, buf.max_tokens, row_stride);
+      copy_row(x + (int64_t)t * a.row_vecs, dst, a.row_vecs, lane);
       __threadfence_system();
       __syncwarp();
       if (lane < world && my_slot >= 0) {
@@ -277,13 +264,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       }
       const uint4* src = s == rank ? x + (int64_t)token * a.row_vecs
                                    : reinterpret_cast<const uint4*>(buf.rows) + slot_index * row_stride;
-      for (int v = lane; v < a.row_vecs; v += kWarpSize) {
-        const uint4 value = src[v];
-#pragma unroll
-        for (int k = 0; k < kMaxTopK; ++k) {
-          if (dst[k] != nullptr) dst[k][v] = value;
-        }
-      }
+      copy_row(src, dst, a.row_vecs, lane);
     }
   }
 
