@@ -163,6 +163,7 @@ def run_one(args: argparse.Namespace, spec: RunSpec) -> RunResult:
         run = report.load_run(dump_folder / "metrics.jsonl")
         result.summary = report.summarize_run(run, args.warmup_steps)
         result.summary["tokens_per_rank"] = run.static.get("local_batch_size", 0) * run.static.get("seq_len", 0)
+        result.summary["seq_len"] = run.static.get("seq_len", 0)
     print(f"[mfu_sweep] {spec.name}: {result.status} {result.error} in {wall_s:.0f}s"
           + (f", {result.summary.get('tps') or 0:,.0f} tok/s/GPU, MFU {result.summary.get('mfu')}"
              if result.status == "ok" else ""), flush=True)
@@ -228,14 +229,16 @@ def plot_sweep(results: list[RunResult], out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, (ax_mfu, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
-    for backend in sorted({r.spec.backend for r in ok}):
+    # One line per backend and sequence length: points of a line differ only in local batch.
+    for backend, seq in sorted({(r.spec.backend, r.summary.get("seq_len") or 0) for r in ok}):
         points = sorted(
-            (r.summary["tokens_per_rank"], r.summary["mfu"], r.summary["tps"], r.spec.name)
-            for r in ok if r.spec.backend == backend
+            (r.summary["tokens_per_rank"], r.summary["mfu"], r.summary["tps"])
+            for r in ok if r.spec.backend == backend and (r.summary.get("seq_len") or 0) == seq
         )
         xs = [p[0] for p in points]
-        ax_mfu.plot(xs, [p[1] if p[1] is not None else float("nan") for p in points], marker="o", label=backend)
-        ax_tps.plot(xs, [p[2] for p in points], marker="o", label=backend)
+        label = f"{backend}, seq {seq}" if seq else backend
+        ax_mfu.plot(xs, [p[1] if p[1] is not None else float("nan") for p in points], marker="o", label=label)
+        ax_tps.plot(xs, [p[2] for p in points], marker="o", label=label)
     for ax, title in ((ax_mfu, "MFU (%)"), (ax_tps, "tokens/s per GPU")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per rank per step (local batch x seq)")
