@@ -275,7 +275,7 @@ def run_all(args, specs: list[RunSpec], results: list[RunResult], commands: list
 
 def write_report(args, results, ok_dirs, failed, plots_dir: Path, commands: list[str]) -> None:
     report_md, _ = report.build_report(ok_dirs, plots_dir, args.warmup_steps,
-                                       title=f"{args.name}: {commands[-1] if commands else ''}")
+                                       title=f"{args.name}: {len(results)} runs (commands at the end)")
     sweep_plot = plot_sweep(results, plots_dir)
     extra = [f"![{sweep_plot.stem}]({sweep_plot.name})"] if sweep_plot else []
     if failed:
