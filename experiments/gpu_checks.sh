@@ -28,7 +28,7 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   $py experiments/bench_comm.py p2p "$out/bench_p2p.json" 2>&1 | tail -2
   timeout 300 $py -m torch.distributed.run --standalone --nproc_per_node 2 experiments/bench_comm.py run \
-    "$out/bench_main.json" --backends nvshmem nccl --num-sms ${NUM_SMS:-20 32} 2>&1 | tee "$out/bench_main.log" | grep -v Warning | tail -20
+    "$out/bench_main.json" --backends nvshmem nccl --num-sms ${NUM_SMS:-20 24 32 64} 2>&1 | tee "$out/bench_main.log" | grep -v Warning | tail -20
   timeout 120 $py -m torch.distributed.run --standalone --nproc_per_node 2 experiments/bench_comm.py run \
     "$out/bench_symm.json" --backends torch_symm 2>&1 | tee "$out/bench_symm.log" | grep -v Warning | tail -8
 fi
