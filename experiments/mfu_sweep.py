@@ -40,8 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from moe_comm import report  # noqa: E402
-
-RUN_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from moe_comm.launch import GPU_ENV as RUN_ENV  # noqa: E402 - the launcher's NVLink-multicast-off settings
 ERROR_TAIL_LINES = 40
 # Patterns that name a failure better than the exit code does, first match wins.
 _FAILURE_KINDS = (

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_comm.launch import GPU_ENV
+
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +42,7 @@ def run_cases(num_gpus: int, tmp_dir: Path) -> dict:
         if torch.cuda.device_count() < num_gpus:
             pytest.fail(f"this test needs {num_gpus} GPUs; the machine has {torch.cuda.device_count()}")
         report = tmp_dir / f"nvshmem_cases_{num_gpus}.json"
-        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        env = dict(os.environ, **GPU_ENV)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_gpus}",
                str(ROOT / "tests" / "gpu" / "nvshmem_cases.py"), str(report)]
