@@ -24,6 +24,10 @@ constexpr int kMaxRanks = 8;
 constexpr int kWarpSize = 32;
 constexpr int kThreadsPerBlock = 1024;
 constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarpSize;
+// Blocks of the local layout kernels (expand, reduce): two per SM keeps 64 registers a thread.
+constexpr int kLocalThreadsPerBlock = 512;
+constexpr int kLocalBlocksPerSM = 2;
+constexpr int kLocalWarpsPerBlock = kLocalThreadsPerBlock / kWarpSize;
 // 16-byte vectors each lane loads before it stores any when copying a row: with one load in
 // flight per lane a row copy waits one memory round trip per 512 bytes of the warp, and the
 // copies (not the link) then bound the kernels.
@@ -129,20 +133,20 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // One warp copies a row of `row_vecs` 16-byte vectors from `src` to every non-null `dst[i]`
-// (peers' buffers through NVLink, or expert-major rows in HBM), kCopyUnroll loads in flight per
+// (peers' buffers through NVLink, or expert-major rows in HBM), kUnroll loads in flight per
 // lane. `src` must not be written by anyone while the copy runs.
-template <int kDsts>
+template <int kDsts, int kUnroll = kCopyUnroll>
 __device__ __forceinline__ void copy_row(const uint4* src, uint4* const (&dst)[kDsts], int row_vecs, int lane) {
   int v = lane;
-  for (; v + (kCopyUnroll - 1) * kWarpSize < row_vecs; v += kCopyUnroll * kWarpSize) {
-    uint4 value[kCopyUnroll];
+  for (; v + (kUnroll - 1) * kWarpSize < row_vecs; v += kUnroll * kWarpSize) {
+    uint4 value[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) value[u] = src[v + u * kWarpSize];
+    for (int u = 0; u < kUnroll; ++u) value[u] = src[v + u * kWarpSize];
 #pragma unroll
     for (int d = 0; d < kDsts; ++d) {
       if (dst[d] == nullptr) continue;
 #pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) dst[d][v + u * kWarpSize] = value[u];
+      for (int u = 0; u < kUnroll; ++u) dst[d][v + u * kWarpSize] = value[u];
     }
   }
   for (; v < row_vecs; v += kWarpSize) {
@@ -170,6 +174,59 @@ __device__ __forceinline__ void peer_row_destinations(uint4* (&dst)[kMaxRanks], 
 }
 
 __device__ __forceinline__ int round_up(int x, int align) { return (x + align - 1) / align * align; }
+
+// Received slots are visited in one order by every kernel: the own rank's slots first, then
+// those of rank + 1, rank + 2, ... (a source's slots in index order). Slot (source s, index j)
+// lives at s * max_tokens + j of the per-slot buffers.
+struct SlotOrder {
+  int prefix[kMaxRanks + 1];  // slots visited before the q-th source
+  int rank, world, first;     // first: 1 skips the own rank's slots
+
+  // slots_from[s * stride]: how many slots source rank s sent to this rank.
+  __device__ __forceinline__ SlotOrder(const int32_t* slots_from, int stride, int rank_, int world_, bool skip_own)
+      : rank(rank_), world(world_), first(skip_own ? 1 : 0) {
+    prefix[0] = 0;
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      const int s = (rank + first + q) % world;
+      prefix[q + 1] = prefix[q] + (first + q < world ? slots_from[(int64_t)s * stride] : 0);
+    }
+  }
+  __device__ __forceinline__ int total() const { return prefix[kMaxRanks]; }
+  // The i-th visited slot (i < total()): its source rank and index within that source.
+  __device__ __forceinline__ void locate(int i, int& source, int& index) const {
+    int q = 0;
+    while (i >= prefix[q + 1]) ++q;
+    source = (rank + first + q) % world;
+    index = i - prefix[q];
+  }
+};
+
+// Expert-major rows and routing weights of one slot, broadcast to the whole warp (row -1: the
+// pick is not on this rank, or its row fell beyond the receive capacity).
+struct SlotRows {
+  int row[kMaxTopK];
+  float weight[kMaxTopK];
+};
+
+// slot_w == nullptr: every weight is 1 (the backward of dispatch sums the copies' gradients).
+__device__ __forceinline__ SlotRows load_slot_rows(const int32_t* slot_rows, const float* slot_w, int64_t slot_index,
+                                                   int top_k, int capacity, int lane) {
+  int row = -1;
+  float weight = 1.f;
+  if (lane < top_k) {
+    row = slot_rows[slot_index * top_k + lane];
+    if (slot_w != nullptr) weight = slot_w[slot_index * top_k + lane];
+  }
+  SlotRows r;
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {
+    const int rk = __shfl_sync(0xffffffffu, row, k < top_k ? k : 0);
+    r.weight[k] = __shfl_sync(0xffffffffu, weight, k < top_k ? k : 0);
+    r.row[k] = (k < top_k && rk >= 0 && rk < capacity) ? rk : -1;
+  }
+  return r;
+}
 
 #endif  // __CUDACC__
 

@@ -1,5 +1,7 @@
-// Dispatch: every token crosses NVLink once per rank that holds one of its experts, and the
-// receiver lays the rows out expert-major for TorchTitan's grouped GEMM.
+// Dispatch, the communication half: every token crosses NVLink once per rank that holds one of
+// its experts, with its routing metadata; the call ends when every row meant for this rank has
+// arrived. The expert-major layout for TorchTitan's grouped GEMM is a separate local kernel
+// (expand.cu), so the link is driven by this kernel's small SM budget alone.
 //
 // One cooperative launch of `num_blocks` blocks, no host synchronisation:
 //   1. layout   each warp walks a contiguous run of tokens in order, counting rows per expert
@@ -7,15 +9,15 @@
 //   2. grid sync; block offsets turn per-warp counts into positions; block 0 sends each
 //               destination its per-expert row counts.
 //   3. grid sync; then two roles run at once:
-//      senders    push each token's row and metadata into the destination's `rows` buffer
-//                 (the own rank is served straight from x) and release a per-slot flag;
-//      expanders  wait for the counts of every source, compute the expert-major segments, then
-//                 copy every arrived slot into its rows, zero-fill alignment padding, and record
-//                 where each slot went (the handle combine needs).
-// Rows that would land beyond the receive capacity are not written; an error bit with the rows
-// needed is raised for the host, which fails the step.
+//      senders    push each token's row into every other destination's `rows` buffer (the own
+//                 rank's rows stay in x) and its metadata to every destination, then release a
+//                 per-slot flag;
+//      receivers  wait for the counts of every source, compute the expert-major segments, then
+//                 wait for every slot and record where its rows go (the handle expand and
+//                 combine use).
+// Rows that would land beyond the receive capacity are marked as not placed; an error word with
+// the rows needed is raised for the host, which fails the step.
 #include <cooperative_groups.h>
-#include <cuda_bf16.h>
 
 #include "buffers.h"
 #include "common.cuh"
@@ -25,7 +27,6 @@ namespace cg = cooperative_groups;
 
 namespace moe_comm {
 
-template <typename T>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     dispatch_kernel(const Buffers buf, const DispatchArgs a) {
   extern __shared__ int32_t smem[];
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   __threadfence();
   grid.sync();
 
-  // ---- 3. senders and expanders ---------------------------------------------------------
+  // ---- 3. senders and receivers --------------------------------------------------------
   const int row_stride = buf.max_row_bytes / 16;  // uint4 per row in the symmetric buffers
   if (warp < a.sender_warps) {
     const int senders = gridDim.x * a.sender_warps;
@@ -167,16 +168,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       }
     }
   } else {
-    const int expanders_per_block = kWarpsPerBlock - a.sender_warps;
-    const int expanders = gridDim.x * expanders_per_block;
-    const int expander = blockIdx.x * expanders_per_block + (warp - a.sender_warps);
+    const int receivers_per_block = kWarpsPerBlock - a.sender_warps;
+    const int receivers = gridDim.x * receivers_per_block;
+    const int receiver = blockIdx.x * receivers_per_block + (warp - a.sender_warps);
     // Shared layout of this rank's receive side, after the histograms (which are done).
-    int32_t* seg_start = smem;                 // [L + 1]
-    int32_t* src_prefix = seg_start + L + 1;   // [world][L]
-    int32_t* slot_prefix = src_prefix + world * L;  // [world + 1], in visiting order (own rank first)
-    const int first_expander = a.sender_warps;
+    int32_t* seg_start = smem;                       // [L + 1]
+    int32_t* src_prefix = seg_start + L + 1;         // [world][L]
+    int32_t* slots_from = src_prefix + world * L;    // [world]
+    const int first_receiver = a.sender_warps;
 
-    if (warp == first_expander) {
+    if (warp == first_receiver) {
       for (int s = 0; s < world; ++s) wait_flag(buf.counts_flag + s, tag);
       int carry = 0;
       for (int base = 0; base < L; base += kWarpSize) {
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
         if (e < L) {
           seg_start[e] = carry + scan - padded;
           if (blockIdx.x == 0) {
-            // Past the capacity the rows are not written and the host raises; clamping the
+            // Past the capacity the rows are not placed and the host raises; clamping the
             // counts keeps the grouped GEMM inside recv_x until it does.
             a.tokens_per_expert[e] = min(padded, max(0, a.capacity - (carry + scan - padded)));
             a.recv_info[RecvInfo{world, L}.seg_start(e)] = carry + scan - padded;
@@ -206,47 +207,29 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
         }
         carry += __shfl_sync(0xffffffffu, scan, kWarpSize - 1);
       }
+      if (lane < world) {
+        slots_from[lane] = buf.counts[lane * (kMaxExperts + 1)];
+        if (blockIdx.x == 0) a.recv_info[RecvInfo{world, L}.slots_from(lane)] = slots_from[lane];
+      }
       if (lane == 0) {
         seg_start[L] = carry;
-        slot_prefix[0] = 0;
-        for (int q = 0; q < world; ++q) {
-          const int s = (rank + q) % world;
-          const int n = buf.counts[s * (kMaxExperts + 1)];
-          slot_prefix[q + 1] = slot_prefix[q] + n;
-          if (blockIdx.x == 0) a.recv_info[RecvInfo{world, L}.slots_from(s)] = n;
-        }
         if (blockIdx.x == 0 && carry > a.capacity) buf.errors[kErrorRowsNeeded] = carry;
       }
     }
-    // Named barrier over the expander warps of this block only (senders are not waiting).
-    asm volatile("bar.sync 1, %0;" ::"r"(expanders_per_block * kWarpSize));
+    // Named barrier over the receiver warps of this block only (senders are not waiting).
+    asm volatile("bar.sync 1, %0;" ::"r"(receivers_per_block * kWarpSize));
 
-    uint4* recv_vecs = static_cast<uint4*>(a.recv_x);
-    // Zero the alignment padding of every expert segment (it feeds the grouped GEMM).
-    for (int e = expander; e < L; e += expanders) {
-      const int count = src_prefix[(world - 1) * L + e] + buf.counts[(world - 1) * (kMaxExperts + 1) + 1 + e];
-      const int pad_begin = seg_start[e] + count;
-      const int pad_end = min(seg_start[e + 1], a.capacity);
-      for (int row = pad_begin; row < pad_end; ++row) {
-        for (int v = lane; v < a.row_vecs; v += kWarpSize) recv_vecs[(int64_t)row * a.row_vecs + v] = make_uint4(0, 0, 0, 0);
-      }
-    }
-
-    const int total_slots = slot_prefix[world];
-    const uint4* x = static_cast<const uint4*>(a.x);
-    for (int i = expander; i < total_slots; i += expanders) {
-      int q = 0;
-      while (i >= slot_prefix[q + 1]) ++q;
-      const int s = (rank + q) % world;
-      const int j = i - slot_prefix[q];
+    const SlotOrder order(slots_from, 1, rank, world, false);
+    for (int i = receiver; i < order.total(); i += receivers) {
+      int s, j;
+      order.locate(i, s, j);
       const int64_t slot_index = (int64_t)s * buf.max_tokens + j;
       wait_flag(buf.slot_flag + slot_index, tag);
       const SlotMeta* m = buf.meta + slot_index;
-      const int token = m->token;
-      int row = -1;
-      float weight = 0.f;
       if (lane < K) {
         const int expert = m->expert[lane];
+        int row = -1;
+        float weight = 0.f;
         if (expert >= 0) {
           const int e = expert - rank * L;
           row = seg_start[e] + src_prefix[s * L + e] + m->rank_in_expert[lane];
@@ -255,16 +238,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
         a.slot_rows[slot_index * K + lane] = row;
         a.slot_w[slot_index * K + lane] = weight;
       }
-      if (lane == 0) a.slot_token[slot_index] = token;
-      uint4* dst[kMaxTopK];
-#pragma unroll
-      for (int k = 0; k < kMaxTopK; ++k) {
-        const int r = __shfl_sync(0xffffffffu, row, k < K ? k : 0);
-        dst[k] = (k < K && r >= 0 && r < a.capacity) ? recv_vecs + (int64_t)r * a.row_vecs : nullptr;
-      }
-      const uint4* src = s == rank ? x + (int64_t)token * a.row_vecs
-                                   : reinterpret_cast<const uint4*>(buf.rows) + slot_index * row_stride;
-      copy_row(src, dst, a.row_vecs, lane);
+      if (lane == 0) a.slot_token[slot_index] = m->token;
     }
   }
 
@@ -275,16 +249,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
 size_t dispatch_smem_bytes(int num_experts, int world) {
   const size_t hist = (size_t)kWarpsPerBlock * (num_experts + world) * sizeof(int32_t);
   const int L = num_experts / world;
-  const size_t layout = (size_t)(L + 1 + world * L + world + 1) * sizeof(int32_t);
+  const size_t layout = (size_t)(L + 1 + world * L + world) * sizeof(int32_t);
   return hist > layout ? hist : layout;
 }
 
-void launch_dispatch(const Buffers& buf, const DispatchArgs& args, bool bf16, int num_blocks, cudaStream_t stream) {
+void launch_dispatch(const Buffers& buf, const DispatchArgs& args, int num_blocks, cudaStream_t stream) {
   const size_t smem = dispatch_smem_bytes(args.num_experts, buf.world);
   void* params[] = {const_cast<Buffers*>(&buf), const_cast<DispatchArgs*>(&args)};
-  const void* fn = bf16 ? reinterpret_cast<const void*>(dispatch_kernel<__nv_bfloat16>)
-                        : reinterpret_cast<const void*>(dispatch_kernel<float>);
-  launch_cooperative(fn, num_blocks, smem, params, stream, "dispatch");
+  launch_cooperative(reinterpret_cast<const void*>(dispatch_kernel), num_blocks, smem, params, stream, "dispatch");
 }
 
 }  // namespace moe_comm

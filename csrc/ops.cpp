@@ -109,15 +109,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   a.capacity = (int)capacity;
   a.row_vecs = row_vecs(x, b);
   a.sender_warps = (int)sender_warps;
-  a.recv_x = recv_x.data_ptr();
   a.tokens_per_expert = tokens_per_expert.data_ptr<int32_t>();
   a.token_slot = token_slot.data_ptr<int32_t>();
   a.slot_rows = slot_rows.data_ptr<int32_t>();
   a.slot_w = slot_w.data_ptr<float>();
   a.slot_token = slot_token.data_ptr<int32_t>();
   a.recv_info = recv_info.data_ptr<int32_t>();
-  before_call(kDispatchLikeCalls, c10::cuda::getCurrentCUDAStream());
-  launch_dispatch(b, a, x.scalar_type() == at::kBFloat16, (int)num_sms, c10::cuda::getCurrentCUDAStream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  before_call(kDispatchLikeCalls, stream);
+  launch_dispatch(b, a, (int)num_sms, stream);
+
+  ExpandArgs e{};
+  e.own_rows = x.data_ptr();
+  e.top_k = (int)K;
+  e.local_experts = L;
+  e.align = (int)align;
+  e.capacity = (int)capacity;
+  e.row_vecs = a.row_vecs;
+  e.slot_rows = a.slot_rows;
+  e.slot_w = a.slot_w;
+  e.slot_token = a.slot_token;
+  e.recv_info = a.recv_info;
+  e.out = recv_x.data_ptr();
+  launch_expand(b, e, x.scalar_type() == at::kBFloat16, false, stream);
   return {recv_x, tokens_per_expert, token_slot, slot_rows, slot_w, slot_token, recv_info};
 }
 
@@ -139,63 +153,81 @@ at::Tensor combine_op(const at::Tensor& y, const at::Tensor& topk_idx, const at:
   (void)align;
   at::Tensor out = at::empty({T, y.size(1)}, y.options());
 
-  CombineArgs a;
-  a.y = y.data_ptr();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool bf16 = y.scalar_type() == at::kBFloat16;
+  before_call(kCombineLikeCalls, stream);
+  ReduceArgs r{};
+  r.y = y.data_ptr();
+  r.top_k = (int)slot_rows.size(2);
+  r.capacity = (int)y.size(0);
+  r.row_vecs = row_vecs(y, b);
+  r.slot_rows = slot_rows.data_ptr<int32_t>();
+  r.slot_w = weighted ? slot_w.data_ptr<float>() : nullptr;
+  r.recv_info = recv_info.data_ptr<int32_t>();
+  launch_reduce(b, r, bf16, stream);
+
+  CombineArgs a{};
   a.num_tokens = (int)T;
-  a.top_k = (int)slot_rows.size(2);
-  a.capacity = (int)y.size(0);
-  a.row_vecs = row_vecs(y, b);
+  a.row_vecs = r.row_vecs;
   a.pusher_warps = (int)pusher_warps;
-  a.weighted = weighted ? 1 : 0;
   a.token_slot = token_slot.data_ptr<int32_t>();
-  a.slot_rows = slot_rows.data_ptr<int32_t>();
-  a.slot_w = slot_w.data_ptr<float>();
   a.slot_token = slot_token.data_ptr<int32_t>();
-  a.recv_info = recv_info.data_ptr<int32_t>();
+  a.recv_info = r.recv_info;
   a.out = out.data_ptr();
-  before_call(kCombineLikeCalls, c10::cuda::getCurrentCUDAStream());
-  launch_combine(b, a, y.scalar_type() == at::kBFloat16, (int)num_sms, c10::cuda::getCurrentCUDAStream());
+  launch_combine(b, a, bf16, (int)num_sms, stream);
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> combine_backward_op(
     const at::Tensor& grad_out, const at::Tensor& y, const at::Tensor& topk_idx, const at::Tensor& token_slot,
     const at::Tensor& slot_rows, const at::Tensor& slot_w, const at::Tensor& slot_token, const at::Tensor& recv_info,
-    int64_t num_experts, int64_t align, int64_t num_sms, int64_t sender_warps, int64_t collector_warps) {
+    int64_t num_experts, int64_t align, int64_t num_sms, int64_t sender_warps) {
   const Buffers& b = buffers();
   const c10::cuda::CUDAGuard guard(y.device());
   check_rows(y, "y", y.size(1));
   const at::Tensor g = grad_out.contiguous();
   check_rows(g, "grad_out", y.size(1));
   check(g.scalar_type() == y.scalar_type(), "grad_out and y must share a dtype");
-  check(sender_warps >= 1 && collector_warps >= 1 && sender_warps + collector_warps < kWarpsPerBlock,
-        "sender_warps + collector_warps must leave expander warps");
+  check(sender_warps >= 1 && sender_warps < kWarpsPerBlock, "sender_warps must be in 1..31");
   check_blocks(num_sms, b);
   const int64_t T = token_slot.size(0), K = slot_rows.size(2);
   at::Tensor grad_y = at::empty_like(y);
   at::Tensor grad_w = at::empty({T, K}, y.options().dtype(at::kFloat));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
-  CombineBackwardArgs a;
+  CombineBackwardArgs a{};
   a.grad_out = g.data_ptr();
-  a.y = y.data_ptr();
-  a.topk_idx = topk_idx.data_ptr<int64_t>();
   a.num_tokens = (int)T;
-  a.top_k = (int)K;
-  a.num_experts = (int)num_experts;
-  a.align = (int)align;
-  a.capacity = (int)y.size(0);
   a.row_vecs = row_vecs(y, b);
   a.sender_warps = (int)sender_warps;
-  a.collector_warps = (int)collector_warps;
   a.token_slot = token_slot.data_ptr<int32_t>();
-  a.slot_rows = slot_rows.data_ptr<int32_t>();
-  a.slot_w = slot_w.data_ptr<float>();
-  a.slot_token = slot_token.data_ptr<int32_t>();
   a.recv_info = recv_info.data_ptr<int32_t>();
-  a.grad_y = grad_y.data_ptr();
-  a.grad_w = grad_w.data_ptr<float>();
-  before_call(kDispatchLikeCalls, c10::cuda::getCurrentCUDAStream());
-  launch_combine_backward(b, a, y.scalar_type() == at::kBFloat16, (int)num_sms, c10::cuda::getCurrentCUDAStream());
+  before_call(kDispatchLikeCalls, stream);
+  launch_combine_backward(b, a, (int)num_sms, stream);
+
+  ExpandArgs e{};
+  e.own_rows = g.data_ptr();
+  e.y = y.data_ptr();
+  e.top_k = (int)K;
+  e.local_experts = (int)num_experts / b.world;
+  e.align = (int)align;
+  e.capacity = (int)y.size(0);
+  e.row_vecs = a.row_vecs;
+  e.slot_rows = slot_rows.data_ptr<int32_t>();
+  e.slot_w = slot_w.data_ptr<float>();
+  e.slot_token = slot_token.data_ptr<int32_t>();
+  e.recv_info = a.recv_info;
+  e.out = grad_y.data_ptr();
+  e.grad_w = grad_w.data_ptr<float>();
+  launch_expand(b, e, y.scalar_type() == at::kBFloat16, true, stream);
+
+  CollectGradWArgs c{};
+  c.topk_idx = topk_idx.data_ptr<int64_t>();
+  c.num_tokens = (int)T;
+  c.top_k = (int)K;
+  c.num_experts = (int)num_experts;
+  c.grad_w = e.grad_w;
+  launch_collect_grad_w(b, c, stream);
   return {grad_y, grad_w};
 }
 
@@ -219,7 +251,7 @@ TORCH_LIBRARY(moe_comm, m) {
   m.def(
       "combine_backward(Tensor grad_out, Tensor y, Tensor topk_idx, Tensor token_slot, Tensor slot_rows, "
       "Tensor slot_w, Tensor slot_token, Tensor recv_info, int num_experts, int align, int num_sms, "
-      "int sender_warps, int collector_warps) -> (Tensor, Tensor)");
+      "int sender_warps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moe_comm, CUDA, m) {

@@ -7,7 +7,10 @@ Three steps, all on the GPU machine but the last:
       per backend and shape: median time of dispatch and of combine (CUDA events, steady state,
       no host sync between iterations), rows and bytes that actually cross NVLink (from the
       routing: once per destination rank for nvshmem, once per expert for all-to-all paths),
-      link GB/s, and SMs used. torch's symmetric-memory all-to-all (backend "torch_symm") must
+      link GB/s, and SMs used. For nvshmem also each kernel's GPU time (torch.profiler): the
+      transport kernels (dispatch, combine: the SM budget, NVLink) apart from the local
+      expert-major layout kernels (expand, reduce: whole GPU, no NVLink), so the transport
+      compares like for like with DeepEP. torch's symmetric-memory all-to-all (backend "torch_symm") must
       run in its own launch: it starts NVSHMEM through torch, which cannot share a process with
       this project's NVSHMEM start-up.
   python experiments/bench_comm.py report OUT_DIR/*.json --json results/h200x2/comm_bench.json
@@ -181,6 +184,37 @@ def time_backend(backend, x, idx, w, is_symm):
     return d, c
 
 
+# The nvshmem backend's kernels: communication (the recipe's SM budget, NVLink) and the local
+# expert-major layout (whole GPU, no NVLink), told apart so the transport compares like for
+# like with DeepEP, whose dispatch/combine move token-major rows and leave the permute to the
+# caller.
+NVSHMEM_KERNELS = {"dispatch_kernel": "transport", "combine_kernel": "transport",
+                   "expand_kernel": "layout", "reduce_kernel": "layout"}
+
+
+def time_kernels(backend, x, idx, w, iters=20):
+    """Mean GPU time per iteration (us) of each nvshmem kernel, from a torch.profiler trace of
+    `iters` back-to-back dispatch + combine iterations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        res = backend.dispatch(x, idx, w)
+        backend.combine(res.recv_x_RD, res.handle)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            res = backend.dispatch(x, idx, w)
+            backend.combine(res.recv_x_RD, res.handle)
+        torch.cuda.synchronize()
+    totals = dict.fromkeys(NVSHMEM_KERNELS, 0.0)
+    for evt in prof.key_averages():
+        for kernel in NVSHMEM_KERNELS:
+            if f"moe_comm::{kernel}" in evt.key:
+                totals[kernel] += getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
+    return {kernel: total / iters for kernel, total in totals.items()}
+
+
 def time_graph_round_trip(backend, x, idx, w, replays=50):
     """Dispatch + combine captured once in a CUDA graph: the round trip without Python or
     launch overhead (only for backends with no host sync on the path)."""
@@ -204,7 +238,7 @@ def time_graph_round_trip(backend, x, idx, w, replays=50):
     return start.elapsed_time(end) * 1e3 / replays
 
 
-def run(out: Path, backends: list[str], num_sms_list: list[int]) -> None:
+def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[str], warps: list[str]) -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -213,52 +247,76 @@ def run(out: Path, backends: list[str], num_sms_list: list[int]) -> None:
     device = torch.device("cuda", local_rank)
     max_tokens = max(s[0] for s in SHAPES.values())
     rows = []
-    for name in backends:
-        for num_sms in (num_sms_list if name == "nvshmem" else [0]):
-            for shape, (T, D, K, E, mode) in SHAPES.items():
-                x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
-                idx, w = make_routing(T, E, K, mode, rank, device)
-                dedup, per_expert = link_rows(idx, E, world, rank)
-                entry = {"backend": name, "shape": shape, "tokens": T, "hidden": D, "top_k": K, "experts": E,
-                         "routing": mode, "world": world}
-                try:
-                    if name == "torch_symm":
-                        backend = TorchSymmAllToAll(E, K, D, group, max_tokens)
-                    else:
-                        backend = build(name, E, K, D, group, max(num_sms, 1), max_tokens)
-                    d_us, c_us = time_backend(backend, x, idx, w, name == "torch_symm")
-                    graph_us = time_graph_round_trip(backend, x, idx, w) if name == "nvshmem" else 0.0
-                except Exception as e:  # noqa: BLE001 - a backend that cannot run is recorded
-                    entry["error"] = f"{type(e).__name__}: {e}"[:2000]
-                    rows.append(entry)
-                    print(f"[rank {rank}] {name} {shape}: {entry['error']}", file=sys.stderr, flush=True)
-                    continue
-                link = dedup if name in ("nvshmem", "deepep") else per_expert
-                link_bytes = link * D * 2
-                stats = torch.tensor([d_us, c_us, float(link_bytes), graph_us], device=device)
-                gathered = [torch.zeros_like(stats) for _ in range(world)]
-                dist.all_gather(gathered, stats)
-                # The slowest rank bounds the op; bytes are this rank's outgoing ones (symmetric routing).
-                d_max = max(float(g[0]) for g in gathered)
-                c_max = max(float(g[1]) for g in gathered)
-                graph_max = max(float(g[3]) for g in gathered)
-                entry.update({
-                    "num_sms": num_sms if name == "nvshmem" else None,
-                    "sms_note": None if name == "nvshmem" else "library-managed (NCCL channels / torch kernels)",
-                    "dispatch_us": d_max, "combine_us": c_max, "round_trip_us": d_max + c_max,
-                    "round_trip_graph_us": graph_max or None,
-                    "link_rows_per_rank": link, "link_bytes_per_rank": link_bytes,
-                    "dispatch_link_gbps": link_bytes / (d_max * 1e-6) / 1e9,
-                    "combine_link_gbps": link_bytes / (c_max * 1e-6) / 1e9,
-                })
+    configs = [(name, num_sms, split) for name in backends
+               for num_sms in (num_sms_list if name == "nvshmem" else [0])
+               for split in (warps if name == "nvshmem" else [""])]
+    for name, num_sms, split in configs:
+        for shape in shapes:
+            T, D, K, E, mode = SHAPES[shape]
+            x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+            idx, w = make_routing(T, E, K, mode, rank, device)
+            dedup, per_expert = link_rows(idx, E, world, rank)
+            entry = {"backend": name, "shape": shape, "tokens": T, "hidden": D, "top_k": K, "experts": E,
+                     "routing": mode, "world": world}
+            try:
+                if name == "torch_symm":
+                    backend = TorchSymmAllToAll(E, K, D, group, max_tokens)
+                else:
+                    backend = build(name, E, K, D, group, max(num_sms, 1), max_tokens)
+                    if split:  # sender:pusher warps per 32-warp block
+                        backend.sender_warps, backend.pusher_warps = map(int, split.split(":"))
+                d_us, c_us = time_backend(backend, x, idx, w, name == "torch_symm")
+                graph_us = time_graph_round_trip(backend, x, idx, w) if name == "nvshmem" else 0.0
+                kernels = time_kernels(backend, x, idx, w) if name == "nvshmem" else {}
+            except Exception as e:  # noqa: BLE001 - a backend that cannot run is recorded
+                entry["error"] = f"{type(e).__name__}: {e}"[:2000]
                 rows.append(entry)
-                if rank == 0:
-                    print(f"{name:>10} sms={num_sms:>3} {shape:>14}: dispatch {d_max:8.1f} us  combine {c_max:8.1f} us"
-                          f"  link {entry['dispatch_link_gbps']:6.1f}/{entry['combine_link_gbps']:6.1f} GB/s"
-                          f"  graph round trip {graph_max:8.1f} us", flush=True)
-                del backend
-                torch.cuda.synchronize()
-                dist.barrier()
+                print(f"[rank {rank}] {name} {shape}: {entry['error']}", file=sys.stderr, flush=True)
+                continue
+            link = dedup if name in ("nvshmem", "deepep") else per_expert
+            link_bytes = link * D * 2
+            stats = torch.tensor([d_us, c_us, float(link_bytes), graph_us, *kernels.values()], device=device)
+            gathered = [torch.zeros_like(stats) for _ in range(world)]
+            dist.all_gather(gathered, stats)
+            kernel_max = {k: max(float(g[4 + i]) for g in gathered) for i, k in enumerate(kernels)}
+            # The slowest rank bounds the op; bytes are this rank's outgoing ones (symmetric routing).
+            d_max = max(float(g[0]) for g in gathered)
+            c_max = max(float(g[1]) for g in gathered)
+            graph_max = max(float(g[3]) for g in gathered)
+            entry.update({
+                "num_sms": num_sms if name == "nvshmem" else None,
+                "warps": (f"{backend.sender_warps}:{backend.pusher_warps}" if name == "nvshmem" else None),
+                "sms_note": None if name == "nvshmem" else "library-managed (NCCL channels / torch kernels)",
+                "dispatch_us": d_max, "combine_us": c_max, "round_trip_us": d_max + c_max,
+                "round_trip_graph_us": graph_max or None,
+                "link_rows_per_rank": link, "link_bytes_per_rank": link_bytes,
+                "dispatch_link_gbps": link_bytes / (d_max * 1e-6) / 1e9,
+                "combine_link_gbps": link_bytes / (c_max * 1e-6) / 1e9,
+            })
+            if kernel_max:
+                # Slowest rank per kernel; the transport kernels' time includes waiting for
+                # the peer, as DeepEP's dispatch/combine times do.
+                t_d, t_c = kernel_max["dispatch_kernel"], kernel_max["combine_kernel"]
+                entry.update({
+                    "kernel_us": kernel_max,
+                    "transport_dispatch_us": t_d, "transport_combine_us": t_c,
+                    "transport_round_trip_us": t_d + t_c,
+                    "layout_us": kernel_max["expand_kernel"] + kernel_max["reduce_kernel"],
+                    "transport_dispatch_link_gbps": link_bytes / (t_d * 1e-6) / 1e9 if t_d else None,
+                    "transport_combine_link_gbps": link_bytes / (t_c * 1e-6) / 1e9 if t_c else None,
+                })
+            rows.append(entry)
+            if rank == 0:
+                print(f"{name:>10} sms={num_sms:>3} {split:>5} {shape:>14}: dispatch {d_max:8.1f} us  combine {c_max:8.1f} us"
+                      f"  link {entry['dispatch_link_gbps']:6.1f}/{entry['combine_link_gbps']:6.1f} GB/s"
+                      f"  graph round trip {graph_max:8.1f} us", flush=True)
+                if kernel_max:
+                    print(f"{'':>10} kernels (us): " + "  ".join(f"{k} {v:.1f}" for k, v in kernel_max.items())
+                          + f"  transport link {entry['transport_dispatch_link_gbps']:.1f}/"
+                          f"{entry['transport_combine_link_gbps']:.1f} GB/s", flush=True)
+            del backend
+            torch.cuda.synchronize()
+            dist.barrier()
     if rank == 0:
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                    "rows": rows}, indent=1))
@@ -288,6 +346,9 @@ def report(inputs: list[Path], json_out: Path) -> None:
         if ceiling:
             r["dispatch_link_fraction"] = r["dispatch_link_gbps"] / ceiling
             r["combine_link_fraction"] = r["combine_link_gbps"] / ceiling
+            if r.get("transport_dispatch_link_gbps"):
+                r["transport_dispatch_link_fraction"] = r["transport_dispatch_link_gbps"] / ceiling
+                r["transport_combine_link_fraction"] = r["transport_combine_link_gbps"] / ceiling
         if r["backend"] == "nvshmem" and r["num_sms"] <= 20:
             cur = best_nvshmem.get(r["shape"])
             if cur is None or r["round_trip_us"] < cur["round_trip_us"]:
@@ -302,6 +363,9 @@ def report(inputs: list[Path], json_out: Path) -> None:
             **DEEPEP_V1_REFERENCE_US,
             "note": "DeepEP v1.2.1 intranode test on this 2xH200 machine, 24 SMs (NOTES.md section 4)",
             "nvshmem_round_trip_fraction": dsv3["round_trip_us"] / sum(DEEPEP_V1_REFERENCE_US.values()),
+            "nvshmem_transport_fraction": (dsv3["transport_round_trip_us"] / sum(DEEPEP_V1_REFERENCE_US.values())
+                                           if dsv3.get("transport_round_trip_us") else None),
+            "nvshmem_sms": dsv3["num_sms"],
         }
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(merged, indent=1))
@@ -341,6 +405,9 @@ def main() -> int:
     r.add_argument("out", type=Path)
     r.add_argument("--backends", nargs="+", default=["nvshmem", "nccl"])
     r.add_argument("--num-sms", nargs="+", type=int, default=[20])
+    r.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    r.add_argument("--warps", nargs="+", default=[""],
+                   help="nvshmem sender:pusher warps per block to sweep (default: the backend's)")
     rep = sub.add_parser("report")
     rep.add_argument("inputs", nargs="+", type=Path)
     rep.add_argument("--json", type=Path, required=True)
@@ -348,7 +415,7 @@ def main() -> int:
     if args.cmd == "p2p":
         p2p(args.out)
     elif args.cmd == "run":
-        run(args.out, args.backends, args.num_sms)
+        run(args.out, args.backends, args.num_sms, args.shapes, args.warps)
     else:
         report(args.inputs, args.json)
     return 0

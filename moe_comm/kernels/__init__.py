@@ -1,7 +1,7 @@
 """Python side of csrc/: build, NVSHMEM runtime, and the autograd of the custom ops."""
 
-# Warps of each 32-warp block given to each role of a kernel (the rest do the receiving side).
-DISPATCH_SENDER_WARPS = 16
+# Warps of each 32-warp block of a communication kernel that push rows over NVLink; the rest
+# receive (dispatch, combine backward: wait for arrivals and record the layout) or finalize
+# (combine: add up the partials that came home).
+DISPATCH_SENDER_WARPS = 24
 COMBINE_PUSHER_WARPS = 16
-COMBINE_BACKWARD_SENDER_WARPS = 12
-COMBINE_BACKWARD_COLLECTOR_WARPS = 2

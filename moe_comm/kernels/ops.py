@@ -3,14 +3,14 @@
 The ops themselves are registered by the CUDA library (csrc/ops.cpp). Their backward passes
 are each other: dispatch's backward is an unweighted combine of the row gradients; combine's
 backward dispatches the output gradient along the forward's routes, scaling by the routing
-weights and returning the weights' gradients (csrc/combine_backward.cu). TorchTitan's selective
-activation checkpointing keeps both ops' outputs (moe_comm.titan puts them on its save list), so
-recomputation never communicates again.
+weights and returning the weights' gradients (csrc/combine_backward.cu, csrc/expand.cu,
+csrc/collect_grad_w.cu). TorchTitan's selective activation checkpointing keeps both ops'
+outputs (moe_comm.titan puts them on its save list), so recomputation never communicates again.
 """
 
 import torch
 
-from moe_comm.kernels import COMBINE_BACKWARD_COLLECTOR_WARPS, COMBINE_BACKWARD_SENDER_WARPS, COMBINE_PUSHER_WARPS
+from moe_comm.kernels import COMBINE_PUSHER_WARPS, DISPATCH_SENDER_WARPS
 
 
 def _world() -> int:
@@ -48,7 +48,7 @@ def _combine_fake(y, topk_idx, topk_w, token_slot, slot_rows, slot_w, slot_token
 
 @torch.library.register_fake("moe_comm::combine_backward")
 def _combine_backward_fake(grad_out, y, topk_idx, token_slot, slot_rows, slot_w, slot_token, recv_info, num_experts,
-                           align, num_sms, sender_warps, collector_warps):
+                           align, num_sms, sender_warps):
     return torch.empty_like(y), y.new_empty(token_slot.shape[0], slot_rows.shape[2], dtype=torch.float32)
 
 
@@ -82,7 +82,7 @@ def _combine_backward(ctx, grad_out):
     y, topk_idx, token_slot, slot_rows, slot_w, slot_token, recv_info = ctx.saved_tensors
     grad_y, grad_w = torch.ops.moe_comm.combine_backward(
         grad_out.contiguous(), y, topk_idx, token_slot, slot_rows, slot_w, slot_token, recv_info,
-        ctx.num_experts, ctx.align, ctx.num_sms, COMBINE_BACKWARD_SENDER_WARPS, COMBINE_BACKWARD_COLLECTOR_WARPS,
+        ctx.num_experts, ctx.align, ctx.num_sms, DISPATCH_SENDER_WARPS,
     )
     return grad_y, None, grad_w, None, None, None, None, None, None, None, None, None, None
 
