@@ -22,7 +22,8 @@ struct Buffers {
   int max_blocks = 0;     // SM budget the scratch was sized for
 
   // Symmetric. Indexing [source rank][slot or token].
-  uint8_t* rows = nullptr;          // [world][max_tokens][max_row_bytes] dispatch-like arrivals
+  uint8_t* rows = nullptr;          // [world][max_tokens][max_row_bytes] dispatch-like arrivals;
+                                    // combine stages its per-slot partial sums here (reduce.cu)
   SlotMeta* meta = nullptr;         // [world][max_tokens]
   uint32_t* slot_flag = nullptr;    // [world][max_tokens]
   int32_t* counts = nullptr;        // [world][kMaxExperts + 1]: slots sent, then rows per local expert

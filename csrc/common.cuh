@@ -5,7 +5,9 @@
 // stores and then writes the flag with release semantics; the receiver spins on the flag with
 // acquire semantics before it reads the row. Flags carry the call's tag (a per-kernel-kind call
 // counter kept on the device), so no flag is ever reset and a step can be replayed from a CUDA
-// graph.
+// graph. A communication kernel ends only once every row meant for its rank has arrived, so
+// the local layout kernels launched after it on the same stream (expand, reduce) read the
+// arrived rows without flags.
 #pragma once
 
 #include <cstdint>

@@ -185,11 +185,24 @@ def time_backend(backend, x, idx, w, is_symm):
 
 
 # The nvshmem backend's kernels: communication (the recipe's SM budget, NVLink) and the local
-# expert-major layout (whole GPU, no NVLink), told apart so the transport compares like for
-# like with DeepEP, whose dispatch/combine move token-major rows and leave the permute to the
-# caller.
-NVSHMEM_KERNELS = {"dispatch_kernel": "transport", "combine_kernel": "transport",
-                   "expand_kernel": "layout", "reduce_kernel": "layout"}
+# expert-major layout (whole GPU, no NVLink). Told apart, the transport compares like for like
+# with DeepEP, whose dispatch/combine move token-major rows and leave the permute to the caller.
+NVSHMEM_KERNELS = ("dispatch_kernel", "expand_kernel", "reduce_kernel", "combine_kernel")
+
+
+def transport_split(row: dict) -> dict:
+    """Transport time of each nvshmem op: the op's event time less its local layout kernel's
+    profiled time (expand after dispatch, reduce before combine). The layout kernels wait on
+    nobody, so their profiled time is exact; the communication kernels' own profiled time is
+    not used, because under the profiler a rank's kernel also counts the wait for its
+    peer's late launch."""
+    expand, reduce = row["kernel_us"]["expand_kernel"], row["kernel_us"]["reduce_kernel"]
+    t_d, t_c = row["dispatch_us"] - expand, row["combine_us"] - reduce
+    link_bytes = row["link_bytes_per_rank"]
+    return {"transport_dispatch_us": t_d, "transport_combine_us": t_c, "transport_round_trip_us": t_d + t_c,
+            "layout_us": expand + reduce,
+            "transport_dispatch_link_gbps": link_bytes / (t_d * 1e-6) / 1e9,
+            "transport_combine_link_gbps": link_bytes / (t_c * 1e-6) / 1e9}
 
 
 def time_kernels(backend, x, idx, w, iters=20):
@@ -294,17 +307,8 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
                 "combine_link_gbps": link_bytes / (c_max * 1e-6) / 1e9,
             })
             if kernel_max:
-                # Slowest rank per kernel; the transport kernels' time includes waiting for
-                # the peer, as DeepEP's dispatch/combine times do.
-                t_d, t_c = kernel_max["dispatch_kernel"], kernel_max["combine_kernel"]
-                entry.update({
-                    "kernel_us": kernel_max,
-                    "transport_dispatch_us": t_d, "transport_combine_us": t_c,
-                    "transport_round_trip_us": t_d + t_c,
-                    "layout_us": kernel_max["expand_kernel"] + kernel_max["reduce_kernel"],
-                    "transport_dispatch_link_gbps": link_bytes / (t_d * 1e-6) / 1e9 if t_d else None,
-                    "transport_combine_link_gbps": link_bytes / (t_c * 1e-6) / 1e9 if t_c else None,
-                })
+                entry["kernel_us"] = kernel_max  # slowest rank per kernel
+                entry.update(transport_split(entry))
             rows.append(entry)
             if rank == 0:
                 print(f"{name:>10} sms={num_sms:>3} {split:>5} {shape:>14}: dispatch {d_max:8.1f} us  combine {c_max:8.1f} us"
@@ -312,7 +316,8 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
                       f"  graph round trip {graph_max:8.1f} us", flush=True)
                 if kernel_max:
                     print(f"{'':>10} kernels (us): " + "  ".join(f"{k} {v:.1f}" for k, v in kernel_max.items())
-                          + f"  transport link {entry['transport_dispatch_link_gbps']:.1f}/"
+                          + f"  transport {entry['transport_dispatch_us']:.1f} + {entry['transport_combine_us']:.1f} us"
+                          f"  link {entry['transport_dispatch_link_gbps']:.1f}/"
                           f"{entry['transport_combine_link_gbps']:.1f} GB/s", flush=True)
             del backend
             torch.cuda.synchronize()
@@ -343,10 +348,12 @@ def report(inputs: list[Path], json_out: Path) -> None:
     ok = [r for r in merged["rows"] if "error" not in r]
     best_nvshmem = {}
     for r in ok:
+        if r.get("kernel_us"):
+            r.update(transport_split(r))
         if ceiling:
             r["dispatch_link_fraction"] = r["dispatch_link_gbps"] / ceiling
             r["combine_link_fraction"] = r["combine_link_gbps"] / ceiling
-            if r.get("transport_dispatch_link_gbps"):
+            if r.get("kernel_us"):
                 r["transport_dispatch_link_fraction"] = r["transport_dispatch_link_gbps"] / ceiling
                 r["transport_combine_link_fraction"] = r["transport_combine_link_gbps"] / ceiling
         if r["backend"] == "nvshmem" and r["num_sms"] <= 20:
@@ -374,15 +381,23 @@ def report(inputs: list[Path], json_out: Path) -> None:
     labels = sorted({(r["backend"], r["num_sms"]) for r in ok}, key=lambda k: (k[0], k[1] or 0))
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5))
     for ax, shape in zip(axes, shapes):
-        names, disp, comb = [], [], []
+        names, parts = [], []  # parts: (dispatch transport, dispatch layout, combine layout, combine transport)
         for backend, sms in labels:
             r = next((r for r in ok if r["shape"] == shape and r["backend"] == backend and r["num_sms"] == sms), None)
             if r:
                 names.append(backend + (f"\n{sms} SMs" if sms else ""))
-                disp.append(r["dispatch_us"])
-                comb.append(r["combine_us"])
-        ax.bar(names, disp, label="dispatch")
-        ax.bar(names, comb, bottom=disp, label="combine")
+                if r.get("kernel_us"):
+                    parts.append((r["transport_dispatch_us"], r["kernel_us"]["expand_kernel"],
+                                  r["kernel_us"]["reduce_kernel"], r["transport_combine_us"]))
+                else:
+                    parts.append((r["dispatch_us"], 0.0, 0.0, r["combine_us"]))
+        bottom = [0.0] * len(names)
+        styles = [("dispatch", dict(color="C0")), ("layout (expand, reduce)", dict(color="0.8", hatch="//")),
+                  (None, dict(color="0.8", hatch="//")), ("combine", dict(color="C1"))]
+        for i, (label, style) in enumerate(styles):
+            heights = [p[i] for p in parts]
+            ax.bar(names, heights, bottom=bottom, label=label, **style)
+            bottom = [b + h for b, h in zip(bottom, heights)]
         if shape == "dsv3_random":
             ax.axhline(sum(DEEPEP_V1_REFERENCE_US.values()), color="k", ls="--", lw=1, label="DeepEP v1 (NOTES)")
         ax.set_title(shape)

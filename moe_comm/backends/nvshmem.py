@@ -1,7 +1,9 @@
 """The "nvshmem" backend: this project's CUDA kernels (csrc/) over NVLink.
 
 Dispatch sends each token once per rank that holds one of its experts and lays the rows out
-expert-major on the receiver; combine reduces each rank's share before sending it back. There
+expert-major on the receiver; combine reduces each rank's share before sending it back. Only
+the communication kernels run on the recipe's `num_sms`; the expert-major layout (expand,
+reduce) runs as local kernels over the whole GPU, like TorchTitan's own permute. There
 is no host synchronisation on the path: buffers and the receive capacity are sized from the
 recipe, so a step can be captured in a CUDA graph. Rows beyond capacity are never dropped
 silently: the kernel records how many were needed and the next call (or `check_errors`)
