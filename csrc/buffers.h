@@ -26,8 +26,7 @@ struct Buffers {
                                     // combine stages its per-slot partial sums here (reduce.cu)
   SlotMeta* meta = nullptr;         // [world][max_tokens]
   uint32_t* slot_flag = nullptr;    // [world][max_tokens]
-  int32_t* counts = nullptr;        // [world][kMaxExperts + 1]: the source's token count (its slots, some
-                                    // absent), then rows per local expert
+  int32_t* counts = nullptr;        // [world][kMaxExperts + 1]: slots sent, then rows per local expert
   uint32_t* counts_flag = nullptr;  // [world]
   uint8_t* partials = nullptr;      // [world][max_tokens][max_row_bytes] combine-like arrivals
   uint32_t* partial_flag = nullptr; // [world][max_tokens]

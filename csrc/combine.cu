@@ -42,7 +42,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       order.locate(i, s, j);
       const int64_t slot_index = (int64_t)s * buf.max_tokens + j;
       const int token = a.slot_token[slot_index];
-      if (token < 0) continue;  // the source's token j did not come here
       uint4* const dst[1] = {reinterpret_cast<uint4*>(buf.peer_partials[s]) +
                              ((int64_t)rank * buf.max_tokens + token) * row_stride};
       copy_row<1, kPushUnroll>(staged + slot_index * row_stride, dst, a.row_vecs, lane);

@@ -48,9 +48,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     for (int i = receiver; i < order.total(); i += receivers) {
       int s, j;
       order.locate(i, s, j);
-      const int64_t slot_index = (int64_t)s * buf.max_tokens + j;
-      if (a.slot_token[slot_index] < 0) continue;  // the source's token j did not come here
-      wait_flag(buf.slot_flag + slot_index, tag);
+      wait_flag(buf.slot_flag + (int64_t)s * buf.max_tokens + j, tag);
     }
   }
 

@@ -3,18 +3,15 @@
 // arrived. The expert-major layout for TorchTitan's grouped GEMM is a separate local kernel
 // (expand.cu), so the link is driven by this kernel's small SM budget alone.
 //
-// A token's slot at every destination is its own index on the source rank, so rows can move
-// before any prefix sum: slots from a source run 0..its token count, with holes for tokens that
-// do not go there (their metadata says so). One cooperative launch of `num_blocks` blocks, no
-// host synchronisation:
-//   1. rows     each warp walks a contiguous run of tokens in order: it counts rows per expert
-//               (ranks are exact and deterministic: token order) and pushes each token's row to
-//               every other rank that holds one of its experts (the own rank's rows stay in x).
+// One cooperative launch of `num_blocks` blocks, no host synchronisation:
+//   1. layout   each warp walks a contiguous run of tokens in order, counting rows per expert
+//               and slots per destination rank; ranks are exact and deterministic (token order).
 //   2. grid sync; block offsets turn per-warp counts into positions; block 0 sends each
-//               destination its per-expert row counts and this rank's token count.
+//               destination its per-expert row counts.
 //   3. grid sync; then two roles run at once:
-//      senders    write each token's metadata at every destination (absent where the token does
-//                 not go) and release a per-slot flag;
+//      senders    push each token's row into every other destination's `rows` buffer (the own
+//                 rank's rows stay in x) and its metadata to every destination, then release a
+//                 per-slot flag;
 //      receivers  wait for the counts of every source, compute the expert-major segments, then
 //                 wait for every slot and record where its rows go (the handle expand and
 //                 combine use).
@@ -38,12 +35,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int warp = threadIdx.x / kWarpSize;
   const int world = buf.world, rank = buf.rank;
   const int E = a.num_experts, K = a.top_k, L = E / world;
-  const int columns = E;  // rows per expert
+  const int columns = E + world;  // rows per expert, then slots per destination rank
   const uint32_t tag = buf.calls[kDispatchLikeCalls] + 1;
-  const int row_stride = buf.max_row_bytes / 16;  // uint4 per row in the symmetric buffers
-  const uint4* x = static_cast<const uint4*>(a.x);
 
-  // ---- 1. per-warp counts in shared memory, and the rows on their way ----------------------
+  // ---- 1. layout: per-warp counts, in shared memory -------------------------------------
   int32_t* warp_hist = smem;  // [kWarpsPerBlock][columns]
   int32_t* my_hist = warp_hist + warp * columns;
   for (int c = lane; c < columns; c += kWarpSize) my_hist[c] = 0;
@@ -73,17 +68,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     }
     const int dest = expert >= 0 ? expert / L : -1;
     if (expert >= 0) buf.token_rank[(int64_t)t * kMaxTopK + lane] = my_hist[expert]++;
-    unsigned sent = 0;  // bit d: the token goes to rank d
-    for (int d = 0; d < world; ++d) sent |= (__any_sync(0xffffffffu, dest == d) ? 1u : 0u) << d;
-    const int my_slot = lane < world && ((sent >> lane) & 1u) ? t : -1;  // lane d: slot at rank d
-    if (lane < world) a.token_slot[(int64_t)t * world + lane] = my_slot;
-    uint4* dst[kMaxRanks];
-    peer_row_destinations(dst, buf.peer_rows, my_slot, world, rank, buf.max_tokens, row_stride);
-    copy_row(x + (int64_t)t * a.row_vecs, dst, a.row_vecs, lane);
+    for (int d = 0; d < world; ++d) {
+      const bool sent = __any_sync(0xffffffffu, dest == d);
+      if (lane == 0) a.token_slot[(int64_t)t * world + d] = sent ? my_hist[E + d]++ : -1;
+      __syncwarp();
+    }
   }
-  // This warp's rows have reached their peers before any flag of phase 3 (raised by any warp
-  // after the grid syncs) can announce them.
-  __threadfence_system();
   __syncthreads();
 
   // Exclusive prefix over the block's warps per column; block totals to global memory.
@@ -112,16 +102,22 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       const int64_t e = a.topk_idx[(int64_t)t * K + lane];
       if (e >= 0 && e < E) buf.token_rank[(int64_t)t * kMaxTopK + lane] += my_hist[e];
     }
+    if (lane < world) {
+      int32_t* slot = a.token_slot + (int64_t)t * world + lane;
+      if (*slot >= 0) *slot += my_hist[E + lane];
+    }
   }
   if (blockIdx.x == 0) {
-    // Row `rank` of each destination's counts: [slots sent (this rank's token count), rows for
-    // each of its experts].
     for (int c = threadIdx.x; c < columns; c += blockDim.x) {
       int total = 0;
       for (int b = 0; b < (int)gridDim.x; ++b) total += buf.block_hist[(int64_t)b * (kMaxExperts + kMaxRanks) + c];
-      buf.peer_counts[c / L][rank * (kMaxExperts + 1) + 1 + c % L] = total;
+      // Row `rank` of the destination's counts: [slots sent, rows for each of its experts].
+      if (c < E) {
+        buf.peer_counts[c / L][rank * (kMaxExperts + 1) + 1 + c % L] = total;
+      } else {
+        buf.peer_counts[c - E][rank * (kMaxExperts + 1)] = total;
+      }
     }
-    if (threadIdx.x < world) buf.peer_counts[threadIdx.x][rank * (kMaxExperts + 1)] = a.num_tokens;
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x < world) store_release_sys(buf.peer_counts_flag[threadIdx.x] + rank, tag);
@@ -130,11 +126,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   grid.sync();
 
   // ---- 3. senders and receivers --------------------------------------------------------
+  const int row_stride = buf.max_row_bytes / 16;  // uint4 per row in the symmetric buffers
   if (warp < a.sender_warps) {
     const int senders = gridDim.x * a.sender_warps;
     const int sender = blockIdx.x * a.sender_warps + warp;
-    for (int t = sender; t < a.num_tokens; t += senders) {
-      const int my_slot = lane < world ? a.token_slot[(int64_t)t * world + lane] : -1;
+    const int per_sender = (a.num_tokens + senders - 1) / senders;
+    const int s_begin = min(a.num_tokens, sender * per_sender);
+    const int s_end = min(a.num_tokens, s_begin + per_sender);
+    const uint4* x = static_cast<const uint4*>(a.x);
+    for (int t = s_begin; t < s_end; ++t) {
+      int my_slot = lane < world ? a.token_slot[(int64_t)t * world + lane] : -1;
       int64_t expert = -1;
       int rank_in_expert = -1;
       float weight = 0.f;
@@ -143,22 +144,28 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
         weight = a.topk_w[(int64_t)t * K + lane];
         rank_in_expert = buf.token_rank[(int64_t)t * kMaxTopK + lane];
       }
-      // Metadata at every destination, the own rank included; where the token does not go,
-      // only its absence.
+      // Metadata to every destination, the own rank included.
       for (int d = 0; d < world; ++d) {
-        const bool here_any = __shfl_sync(0xffffffffu, my_slot, d) >= 0;
-        SlotMeta* m = buf.peer_meta[d] + (int64_t)rank * buf.max_tokens + t;
-        if (lane == 0) m->token = here_any ? t : -1;
-        if (here_any && lane < K) {
+        const int slot = __shfl_sync(0xffffffffu, my_slot, d);
+        if (slot < 0) continue;
+        SlotMeta* m = buf.peer_meta[d] + (int64_t)rank * buf.max_tokens + slot;
+        if (lane == 0) m->token = t;
+        if (lane < K) {
           const bool here = expert >= 0 && expert < E && expert / L == d;
           m->expert[lane] = here ? (int)expert : -1;
           m->rank_in_expert[lane] = here ? rank_in_expert : -1;
           m->weight[lane] = weight;
         }
       }
+      // The row, loaded once and stored to every other destination.
+      uint4* dst[kMaxRanks];
+      peer_row_destinations(dst, buf.peer_rows, my_slot, world, rank, buf.max_tokens, row_stride);
+      copy_row(x + (int64_t)t * a.row_vecs, dst, a.row_vecs, lane);
       __threadfence_system();
       __syncwarp();
-      if (lane < world) store_release_sys(buf.peer_slot_flag[lane] + (int64_t)rank * buf.max_tokens + t, tag);
+      if (lane < world && my_slot >= 0) {
+        store_release_sys(buf.peer_slot_flag[lane] + (int64_t)rank * buf.max_tokens + my_slot, tag);
+      }
     }
   } else {
     const int receivers_per_block = kWarpsPerBlock - a.sender_warps;
@@ -219,9 +226,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       const int64_t slot_index = (int64_t)s * buf.max_tokens + j;
       wait_flag(buf.slot_flag + slot_index, tag);
       const SlotMeta* m = buf.meta + slot_index;
-      const int token = m->token;  // -1: source token s:j does not come here
       if (lane < K) {
-        const int expert = token >= 0 ? m->expert[lane] : -1;
+        const int expert = m->expert[lane];
         int row = -1;
         float weight = 0.f;
         if (expert >= 0) {
@@ -232,7 +238,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
         a.slot_rows[slot_index * K + lane] = row;
         a.slot_w[slot_index * K + lane] = weight;
       }
-      if (lane == 0) a.slot_token[slot_index] = token;
+      if (lane == 0) a.slot_token[slot_index] = m->token;
     }
   }
 
@@ -241,7 +247,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
 }
 
 size_t dispatch_smem_bytes(int num_experts, int world) {
-  const size_t hist = (size_t)kWarpsPerBlock * num_experts * sizeof(int32_t);
+  const size_t hist = (size_t)kWarpsPerBlock * (num_experts + world) * sizeof(int32_t);
   const int L = num_experts / world;
   const size_t layout = (size_t)(L + 1 + world * L + world) * sizeof(int32_t);
   return hist > layout ? hist : layout;

@@ -48,7 +48,6 @@ __global__ void __launch_bounds__(kLocalThreadsPerBlock, kLocalBlocksPerSM)
     order.locate(i, s, j);
     const int64_t slot_index = (int64_t)s * buf.max_tokens + j;
     const int token = a.slot_token[slot_index];
-    if (token < 0) continue;  // the source's token j does not come here
     const uint4* src = s == rank ? own_rows + (int64_t)token * a.row_vecs
                                  : reinterpret_cast<const uint4*>(buf.rows) + slot_index * row_stride;
     const SlotRows r = load_slot_rows(a.slot_rows, a.slot_w, slot_index, K, a.capacity, lane);

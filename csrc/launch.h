@@ -68,10 +68,10 @@ struct DispatchArgs {
   int num_tokens, top_k, num_experts, align, capacity, sender_warps;
   int row_vecs;                // 16-byte vectors per row
   int32_t* tokens_per_expert;  // [local_experts], padded to align
-  int32_t* token_slot;         // [num_tokens, world]: the token's slot at each rank (its own index), or -1
+  int32_t* token_slot;         // [num_tokens, world]: slot of the token at each rank, or -1
   int32_t* slot_rows;          // [world, max_tokens, top_k]: row of each pick, or -1
   float* slot_w;               // [world, max_tokens, top_k]
-  int32_t* slot_token;         // [world, max_tokens]: the token, or -1 where it does not come here
+  int32_t* slot_token;         // [world, max_tokens]
   int32_t* recv_info;          // RecvInfo
 };
 
@@ -94,7 +94,6 @@ struct ReduceArgs {
   int top_k, capacity, row_vecs;
   const int32_t* slot_rows;    // [world, max_tokens, top_k]
   const float* slot_w;         // [world, max_tokens, top_k], or nullptr for unweighted sums
-  const int32_t* slot_token;   // [world, max_tokens]
   const int32_t* recv_info;    // RecvInfo
 };
 
@@ -110,7 +109,6 @@ struct CombineBackwardArgs {
   const void* grad_out;        // [num_tokens, hidden]
   int num_tokens, row_vecs, sender_warps;
   const int32_t* token_slot;   // [num_tokens, world]
-  const int32_t* slot_token;   // [world, max_tokens]
   const int32_t* recv_info;    // RecvInfo
 };
 

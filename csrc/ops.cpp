@@ -163,7 +163,6 @@ at::Tensor combine_op(const at::Tensor& y, const at::Tensor& topk_idx, const at:
   r.row_vecs = row_vecs(y, b);
   r.slot_rows = slot_rows.data_ptr<int32_t>();
   r.slot_w = weighted ? slot_w.data_ptr<float>() : nullptr;
-  r.slot_token = slot_token.data_ptr<int32_t>();
   r.recv_info = recv_info.data_ptr<int32_t>();
   launch_reduce(b, r, bf16, stream);
 
@@ -202,7 +201,6 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_op(
   a.row_vecs = row_vecs(y, b);
   a.sender_warps = (int)sender_warps;
   a.token_slot = token_slot.data_ptr<int32_t>();
-  a.slot_token = slot_token.data_ptr<int32_t>();
   a.recv_info = recv_info.data_ptr<int32_t>();
   before_call(kDispatchLikeCalls, stream);
   launch_combine_backward(b, a, (int)num_sms, stream);

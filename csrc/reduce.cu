@@ -54,7 +54,6 @@ __global__ void __launch_bounds__(kLocalThreadsPerBlock, kLocalBlocksPerSM)
     int s, j;
     order.locate(i, s, j);
     const int64_t slot_index = (int64_t)s * buf.max_tokens + j;
-    if (a.slot_token[slot_index] < 0) continue;  // the source's token j does not come here
     const SlotRows r = load_slot_rows(a.slot_rows, a.slot_w, slot_index, a.top_k, a.capacity, lane);
     uint4* dst = staged + slot_index * row_stride;
     for (int v = lane; v < a.row_vecs; v += kWarpSize) {
