@@ -44,9 +44,10 @@ inline void launch_cooperative(const void* fn, int num_blocks, size_t smem, void
   MOE_COMM_CUDA_CHECK(cudaGetLastError());
 }
 
-// Ordinary launch over the whole GPU for the local layout kernels (expand, reduce, grad-w
-// collection): memory-bound row shuffles that TorchTitan's own permute runs on every SM too.
-// Communication stays in the cooperative kernels above, on the recipe's SM budget.
+// Ordinary launch over the whole GPU for the local layout kernels (expand, reduce):
+// memory-bound row shuffles that TorchTitan's own permute runs on every SM too. Communication
+// stays in the cooperative kernels above, on the recipe's SM budget. (Grad-w collection sizes
+// its own grid: one thread per pick.)
 inline void launch_local(const void* fn, void** params, cudaStream_t stream, const char* name) {
   int device = 0, sms = 0;
   MOE_COMM_CUDA_CHECK(cudaGetDevice(&device));

@@ -205,20 +205,24 @@ def transport_split(row: dict) -> dict:
             "transport_combine_link_gbps": link_bytes / (t_c * 1e-6) / 1e9}
 
 
+def round_trip(backend, x, idx, w):
+    """One dispatch + combine of a backend with this project's interface."""
+    res = backend.dispatch(x, idx, w)
+    return backend.combine(res.recv_x_RD, res.handle)
+
+
 def time_kernels(backend, x, idx, w, iters=20):
     """Mean GPU time per iteration (us) of each nvshmem kernel, from a torch.profiler trace of
     `iters` back-to-back dispatch + combine iterations."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
-        res = backend.dispatch(x, idx, w)
-        backend.combine(res.recv_x_RD, res.handle)
+        round_trip(backend, x, idx, w)
     torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            res = backend.dispatch(x, idx, w)
-            backend.combine(res.recv_x_RD, res.handle)
+            round_trip(backend, x, idx, w)
         torch.cuda.synchronize()
     totals = dict.fromkeys(NVSHMEM_KERNELS, 0.0)
     for evt in prof.key_averages():
@@ -231,13 +235,11 @@ def time_kernels(backend, x, idx, w, iters=20):
 def time_graph_round_trip(backend, x, idx, w, replays=50):
     """Dispatch + combine captured once in a CUDA graph: the round trip without Python or
     launch overhead (only for backends with no host sync on the path)."""
-    res = backend.dispatch(x, idx, w)
-    backend.combine(res.recv_x_RD, res.handle)
+    round_trip(backend, x, idx, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        res = backend.dispatch(x, idx, w)
-        backend.combine(res.recv_x_RD, res.handle)
+        round_trip(backend, x, idx, w)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
