@@ -30,6 +30,26 @@ class MoEComm:
     its tokens here: max_tokens_per_rank * ep_size * min(top_k, local experts). Routed rows
     beyond capacity raise an error naming this field; they are never dropped."""
 
+    dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
+    """What dispatch puts on the links (nvshmem backend): "bf16" sends the model's rows as they
+    are; "fp8" sends e4m3 rows with one fp32 scale per 128 channels, quantised by the sender and
+    dequantised into bf16 by the receiver's expert-major layout kernel (half the bytes on every
+    link). Combine and every backward transfer stay bf16."""
+
+    virtual_node_size: int = 0
+    """Ranks per node as the nvshmem kernels see it; 0 means the real node (the ranks that share
+    a host). Set it below the real node size to run the inter-node protocol (network hop, then
+    NVLink forwarding) between groups of ranks of one machine, e.g. to test it on one node."""
+
+    network_sms: int = 0
+    """Of num_sms, the SMs that drive the network hop when the EP group spans nodes (the rest
+    forward over NVLink); 0 means half of num_sms."""
+
+    wait_timeout_s: float = 30.0
+    """Longest a communication kernel waits for a peer before it gives up and the step fails
+    with an error naming the kernel, the phase and the peer (nvshmem backend). Never 0: a wait
+    without a bound is a silent hang."""
+
     peak_tflops: float = 0.0
     """Peak dense TFLOPS of one GPU for MFU; 0 means look it up from the GPU's name
     (moe_comm.metrics.peaks). Set it for a GPU the table does not know, or MFU is not logged."""
