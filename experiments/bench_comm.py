@@ -21,6 +21,7 @@ import argparse
 import faulthandler
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -96,13 +97,14 @@ def p2p(out: Path) -> None:
     print(json.dumps(result))
 
 
-def build(name, E, K, D, group, num_sms, max_tokens):
+def build(name, E, K, D, group, num_sms, max_tokens, options):
     from moe_comm.backends import build_backend
     from moe_comm.backends.base import MoELayerSpec
     from moe_comm.config import MoEComm
 
     layer = MoELayerSpec(num_experts=E, top_k=K, hidden=D)
-    config = MoEComm(backend=name, num_sms=num_sms, max_tokens_per_rank=max_tokens, recv_capacity_factor=0.0)
+    config = MoEComm(backend=name, num_sms=num_sms, max_tokens_per_rank=max_tokens, recv_capacity_factor=0.0,
+                     **(options if name == "nvshmem" else {}))
     return build_backend(config, layer, group)
 
 
@@ -184,23 +186,29 @@ def time_backend(backend, x, idx, w, is_symm):
     return d, c
 
 
-# The nvshmem backend's kernels: communication (the recipe's SM budget, NVLink) and the local
-# expert-major layout (whole GPU, no NVLink). Told apart, the transport compares like for like
-# with DeepEP, whose dispatch/combine move token-major rows and leave the permute to the caller.
-NVSHMEM_KERNELS = ("dispatch_kernel", "expand_kernel", "reduce_kernel", "combine_kernel")
+# The nvshmem backend's kernels: communication (the recipe's SM budget, the links) and the local
+# ones (plan, staging and the expert-major layout: whole GPU, no link). Told apart, the transport
+# compares like for like with DeepEP, whose dispatch/combine move token-major rows and leave the
+# permute to the caller.
+COMM_KERNELS = ("dispatch_kernel", "combine_kernel")
+LOCAL_KERNELS = {
+    "dispatch": ("plan_count_kernel", "scan_kernel", "plan_assign_kernel", "pack_kernel", "receive_count_kernel",
+                 "expand_kernel"),
+    "combine": ("reduce_kernel", "finalize_kernel"),
+}
 
 
 def transport_split(row: dict) -> dict:
-    """Transport time of each nvshmem op: the op's event time less its local layout kernel's
-    profiled time (expand after dispatch, reduce before combine). The layout kernels wait on
-    nobody, so their profiled time is exact; the communication kernels' own profiled time is
-    not used, because under the profiler a rank's kernel also counts the wait for its
-    peer's late launch."""
-    expand, reduce = row["kernel_us"]["expand_kernel"], row["kernel_us"]["reduce_kernel"]
-    t_d, t_c = row["dispatch_us"] - expand, row["combine_us"] - reduce
+    """Transport time of each nvshmem op: the op's event time less its local kernels' profiled
+    time. The local kernels wait on nobody, so their profiled time is exact; the communication
+    kernels' own profiled time is reported too, but under the profiler a rank's kernel also
+    counts the wait for its peer's late launch."""
+    k = row["kernel_us"]
+    local = {op: sum(k.get(name, 0.0) for name in names) for op, names in LOCAL_KERNELS.items()}
+    t_d, t_c = row["dispatch_us"] - local["dispatch"], row["combine_us"] - local["combine"]
     link_bytes = row["link_bytes_per_rank"]
     return {"transport_dispatch_us": t_d, "transport_combine_us": t_c, "transport_round_trip_us": t_d + t_c,
-            "layout_us": expand + reduce,
+            "layout_us": local["dispatch"] + local["combine"],
             "transport_dispatch_link_gbps": link_bytes / (t_d * 1e-6) / 1e9,
             "transport_combine_link_gbps": link_bytes / (t_c * 1e-6) / 1e9}
 
@@ -224,12 +232,13 @@ def time_kernels(backend, x, idx, w, iters=20):
         for _ in range(iters):
             round_trip(backend, x, idx, w)
         torch.cuda.synchronize()
-    totals = dict.fromkeys(NVSHMEM_KERNELS, 0.0)
+    totals: dict[str, float] = {}
     for evt in prof.key_averages():
-        for kernel in NVSHMEM_KERNELS:
-            if f"moe_comm::{kernel}" in evt.key:
-                totals[kernel] += getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
-    return {kernel: total / iters for kernel, total in totals.items()}
+        match = re.search(r"moe_comm::(\w+_kernel)", evt.key)
+        if match:
+            t = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
+            totals[match[1]] = totals.get(match[1], 0.0) + t
+    return {kernel: total / iters for kernel, total in sorted(totals.items())}
 
 
 def time_graph_round_trip(backend, x, idx, w, replays=50):
@@ -253,19 +262,24 @@ def time_graph_round_trip(backend, x, idx, w, replays=50):
     return start.elapsed_time(end) * 1e3 / replays
 
 
-def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[str], warps: list[str]) -> None:
+def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[str], options: dict) -> None:
+    """Each backend x SM budget x shape. With more ranks than GPUs the ranks share GPUs (gloo
+    group, CUDA MPS): the figures then measure per-op work, not links."""
     local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(local_rank % gpus)
+    shared = int(os.environ["WORLD_SIZE"]) > gpus
+    if shared:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    device = torch.device("cuda", local_rank)
-    max_tokens = max(s[0] for s in SHAPES.values())
+    device = torch.device("cuda", local_rank % gpus)
+    max_tokens = max(SHAPES[s][0] for s in shapes)
     rows = []
-    configs = [(name, num_sms, split) for name in backends
-               for num_sms in (num_sms_list if name == "nvshmem" else [0])
-               for split in (warps if name == "nvshmem" else [""])]
-    for name, num_sms, split in configs:
+    configs = [(name, num_sms) for name in backends for num_sms in (num_sms_list if name == "nvshmem" else [0])]
+    for name, num_sms in configs:
         for shape in shapes:
             T, D, K, E, mode = SHAPES[shape]
             x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
@@ -277,9 +291,7 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
                 if name == "torch_symm":
                     backend = TorchSymmAllToAll(E, K, D, group, max_tokens)
                 else:
-                    backend = build(name, E, K, D, group, max(num_sms, 1), max_tokens)
-                    if split:  # sender:pusher warps per 32-warp block
-                        backend.sender_warps, backend.pusher_warps = map(int, split.split(":"))
+                    backend = build(name, E, K, D, group, max(num_sms, 1), max_tokens, options)
                 d_us, c_us = time_backend(backend, x, idx, w, name == "torch_symm")
                 graph_us = time_graph_round_trip(backend, x, idx, w) if name == "nvshmem" else 0.0
                 kernels = time_kernels(backend, x, idx, w) if name == "nvshmem" else {}
@@ -290,9 +302,9 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
                 continue
             link = dedup if name in ("nvshmem", "deepep") else per_expert
             link_bytes = link * D * 2
-            stats = torch.tensor([d_us, c_us, float(link_bytes), graph_us, *kernels.values()], device=device)
-            gathered = [torch.zeros_like(stats) for _ in range(world)]
-            dist.all_gather(gathered, stats)
+            stats = torch.tensor([d_us, c_us, float(link_bytes), graph_us, *kernels.values()])
+            gathered = [None] * world
+            dist.all_gather_object(gathered, stats)
             kernel_max = {k: max(float(g[4 + i]) for g in gathered) for i, k in enumerate(kernels)}
             # The slowest rank bounds the op; bytes are this rank's outgoing ones (symmetric routing).
             d_max = max(float(g[0]) for g in gathered)
@@ -300,7 +312,9 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
             graph_max = max(float(g[3]) for g in gathered)
             entry.update({
                 "num_sms": num_sms if name == "nvshmem" else None,
-                "warps": (f"{backend.sender_warps}:{backend.pusher_warps}" if name == "nvshmem" else None),
+                "options": options if name == "nvshmem" else None,
+                "network_sms": backend.network_sms if name == "nvshmem" else None,
+                "ranks_share_gpus": shared,
                 "sms_note": None if name == "nvshmem" else "library-managed (NCCL channels / torch kernels)",
                 "dispatch_us": d_max, "combine_us": c_max, "round_trip_us": d_max + c_max,
                 "round_trip_graph_us": graph_max or None,
@@ -313,7 +327,7 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
                 entry.update(transport_split(entry))
             rows.append(entry)
             if rank == 0:
-                print(f"{name:>10} sms={num_sms:>3} {split:>5} {shape:>14}: dispatch {d_max:8.1f} us  combine {c_max:8.1f} us"
+                print(f"{name:>10} sms={num_sms:>3} {shape:>14}: dispatch {d_max:8.1f} us  combine {c_max:8.1f} us"
                       f"  link {entry['dispatch_link_gbps']:6.1f}/{entry['combine_link_gbps']:6.1f} GB/s"
                       f"  graph round trip {graph_max:8.1f} us", flush=True)
                 if kernel_max:
@@ -423,8 +437,9 @@ def main() -> int:
     r.add_argument("--backends", nargs="+", default=["nvshmem", "nccl"])
     r.add_argument("--num-sms", nargs="+", type=int, default=[20])
     r.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    r.add_argument("--warps", nargs="+", default=[""],
-                   help="nvshmem sender:pusher warps per block to sweep (default: the backend's)")
+    r.add_argument("--network-sms", type=int, default=0, help="nvshmem: SMs of num_sms for the network hop")
+    r.add_argument("--virtual-node", type=int, default=0, help="nvshmem: ranks per virtual node (0: the real node)")
+    r.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16")
     rep = sub.add_parser("report")
     rep.add_argument("inputs", nargs="+", type=Path)
     rep.add_argument("--json", type=Path, required=True)
@@ -432,7 +447,9 @@ def main() -> int:
     if args.cmd == "p2p":
         p2p(args.out)
     elif args.cmd == "run":
-        run(args.out, args.backends, args.num_sms, args.shapes, args.warps)
+        options = {"network_sms": args.network_sms, "virtual_node_size": args.virtual_node,
+                   "dispatch_dtype": args.dispatch_dtype}
+        run(args.out, args.backends, args.num_sms, args.shapes, options)
     else:
         report(args.inputs, args.json)
     return 0

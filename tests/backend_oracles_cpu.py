@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
-from nvshmem_cases import (  # noqa: E402  (the oracles' single home)
+from oracles import (  # noqa: E402
     apply_experts,
     expert_params,
     gather_cpu,

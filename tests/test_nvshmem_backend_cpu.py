@@ -1,12 +1,15 @@
-"""What the nvshmem backend decides before any GPU work: capacity sizing and bad input."""
+"""What the nvshmem backend decides before any GPU work: buffer sizing, the kernels' bounds and
+error words read from csrc's headers, and bad input."""
 
 import pytest
 import torch.distributed as dist
 
 from moe_comm.backends import build_backend
 from moe_comm.backends.base import MoELayerSpec
-from moe_comm.backends.nvshmem import receive_capacity
 from moe_comm.config import MoEComm
+from moe_comm.kernels import capacity
+from moe_comm.kernels.errors import KernelErrors, PHASES
+from moe_comm.kernels.limits import LIMITS
 
 
 @pytest.fixture(scope="module")
@@ -16,15 +19,48 @@ def group():
     yield dist.group.WORLD
 
 
-def test_receive_capacity_worst_case_and_factor():
-    layer = MoELayerSpec(num_experts=64, top_k=8, hidden=7168)
+def test_expert_rows_worst_case_and_factor():
     # Exact worst case: every source rank sends all its tokens here, one row per local expert hit.
-    assert receive_capacity(16384, layer, ep_size=2, factor=0.0, align=8) == 2 * 16384 * 8 + 32 * 7
+    assert capacity.expert_rows(16384, 64, 8, ranks=2, factor=0.0, align=8) == 2 * 16384 * 8 + 32 * 7
     # A factor is a multiple of the balanced load (tokens * top_k), plus alignment room.
-    assert receive_capacity(16384, layer, ep_size=2, factor=1.25, align=8) == 163840 + 32 * 7
+    assert capacity.expert_rows(16384, 64, 8, ranks=2, factor=1.25, align=8) == 163840 + 32 * 7
     # Never above the worst case, and the worst case uses min(top_k, local experts).
-    small = MoELayerSpec(num_experts=8, top_k=6, hidden=256)
-    assert receive_capacity(100, small, ep_size=4, factor=10.0, align=16) == 100 * 4 * 2 + 2 * 15
+    assert capacity.expert_rows(100, 8, 6, ranks=4, factor=10.0, align=16) == 100 * 4 * 2 + 2 * 15
+
+
+def test_slot_buffers_worst_case_by_hand():
+    # EP 32 = 4 nodes x 8, 4096 tokens, DeepSeek-V3's 256 experts, top-8, bf16 rows of 7168.
+    s = capacity.buffer_sizes(4096, 256, 8, 7168 * 2, ranks=32, ranks_per_node=8, factor=0.0)
+    assert (s.nodes, s.fwd_slots, s.net_slots, s.send_slots) == (4, 4 * 4096, 3 * 4096, 3 * 4096)
+    assert s.shape == [32, 8, 16384, 12288]
+    # One node: no network buffers, a forwarder is its own source.
+    one = capacity.buffer_sizes(4096, 256, 8, 7168 * 2, ranks=8, ranks_per_node=8, factor=0.0)
+    assert (one.fwd_slots, one.net_slots, one.send_slots) == (4096, 0, 0)
+
+
+def test_slot_buffers_with_a_factor_follow_the_hit_probability():
+    # 16 experts, top-2, 4 ranks of 2 per node: 4 experts per rank, 8 per node.
+    # P(rank hit) = 1 - C(12,2)/C(16,2) = 1 - 66/120 = 0.45; P(node hit) = 1 - C(8,2)/C(16,2) = 1 - 28/120.
+    s = capacity.buffer_sizes(1000, 16, 2, 64, ranks=4, ranks_per_node=2, factor=1.5)
+    assert s.fwd_slots == round(1.5 * 2 * 1000 * 0.45)  # 1350 <= worst 2000
+    assert s.net_slots == min(1000, -(-int(1.5 * 1000 * 92) // 120))  # capped at the worst case
+    assert capacity.hit_probability(16, 2, 4) == 1 - 66 / 120
+
+
+def test_limits_come_from_the_header():
+    header = (capacity.__file__.rsplit("moe_comm", 1)[0]) + "csrc/common/limits.h"
+    text = open(header).read()
+    assert f"kMaxTopK = {LIMITS.max_top_k};" in text and f"kMaxRanks = {LIMITS.max_ranks};" in text
+    assert LIMITS.max_ranks == 256 and LIMITS.max_ranks_per_node == 8 and LIMITS.max_nodes == 32
+
+
+def test_error_words_name_the_timeout():
+    e = KernelErrors.from_words([0, 0, 0, 0, 0, 1, 3, 5])  # dispatch, forwarder finishing, peer 5
+    assert e.any and e.timeout_kernel == "dispatch" and e.timeout_peer == 5
+    assert e.timeout_phase == PHASES[3] and "NVLink" in e.timeout_phase
+    assert not KernelErrors.from_words([0] * 8).any
+    overflow = KernelErrors.from_words([0, 0, 0, 2, 70, 0, 0, 0])
+    assert overflow.slots_buffer.startswith("rows one rank receives over the network") and overflow.slots_needed == 70
 
 
 def test_score_before_experts_is_refused_with_the_fix(group):

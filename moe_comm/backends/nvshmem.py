@@ -1,16 +1,17 @@
-"""The "nvshmem" backend: this project's CUDA kernels (csrc/) over NVLink.
+"""The "nvshmem" backend: this project's CUDA kernels (csrc/), on one node or across nodes.
 
-Dispatch sends each token once per rank that holds one of its experts and lays the rows out
-expert-major on the receiver; combine reduces each rank's share before sending it back. Only
-the communication kernels run on the recipe's `num_sms`; the expert-major layout (expand,
-reduce) runs as local kernels over the whole GPU, like TorchTitan's own permute. There
-is no host synchronisation on the path: buffers and the receive capacity are sized from the
-recipe, so a step can be captured in a CUDA graph. Rows beyond capacity are never dropped
-silently: the kernel records how many were needed and the next call (or `check_errors`)
-raises, naming the recipe field to raise.
+Dispatch sends each token over the network once per other node it goes to (to the rank with
+the same local index there), and over NVLink once per rank of a node that holds one of its
+experts; the receiver lays the rows out expert-major for the grouped GEMM. Combine reduces on
+the way back: each rank's share, then each node's, then home. On one node only the NVLink hop
+exists. Only the communication kernels run on the recipe's `num_sms` (`network_sms` of them
+drive the network hop); the plan, staging and expert-major layout run as local kernels over
+the whole GPU. There is no host synchronisation on the path: buffers and capacities are sized
+from the recipe, so a step can be captured in a CUDA graph. Nothing is dropped silently: a
+call that overflows a buffer, routes badly or waits past `wait_timeout_s` for a peer raises at
+the next call (or at `check_errors`), naming the field to change or the peer that did not answer.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,24 +19,17 @@ import torch.distributed as dist
 
 from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec
 from moe_comm.config import MoEComm
-from moe_comm.kernels import COMBINE_PUSHER_WARPS, DISPATCH_SENDER_WARPS
-from moe_comm.kernels.runtime import NvshmemRuntime, load_library
-
-MAX_TOP_K = 8  # csrc/common.cuh kMaxTopK
-MAX_EXPERTS = 1024  # csrc/common.cuh kMaxExperts
-MAX_RANKS = 8  # csrc/common.cuh kMaxRanks
+from moe_comm.kernels import capacity
+from moe_comm.kernels.limits import LIMITS
+from moe_comm.kernels.runtime import NvshmemRuntime, RuntimeRequest, load_library
 
 
 @dataclass
 class NvshmemHandle:
-    topk_idx_TK: torch.Tensor
+    """What combine (and both backwards) need from one dispatch: torch.ops.moe_comm's handle."""
+
     topk_w_TK: torch.Tensor
-    token_slot_TW: torch.Tensor
-    slot_rows: torch.Tensor
-    slot_w: torch.Tensor
-    slot_token: torch.Tensor
-    recv_info: torch.Tensor
-    align: int
+    tensors: tuple  # rank_pos, send_idx, rail_counts, net_route, recv_info, slot_rows, slot_w, slot_origin
 
 
 def token_group_alignment() -> int:
@@ -44,15 +38,6 @@ def token_group_alignment() -> int:
     from torchtitan.models.moe import utils
 
     return utils.TOKEN_GROUP_ALIGN_SIZE_M
-
-
-def receive_capacity(max_tokens: int, layer: MoELayerSpec, ep_size: int, factor: float, align: int) -> int:
-    """Rows one rank can receive: the balanced load times `factor`, or the exact worst case
-    when factor is 0, plus room for every local expert's alignment padding."""
-    local_experts = layer.num_experts // ep_size
-    worst = max_tokens * ep_size * min(layer.top_k, local_experts)
-    rows = worst if factor <= 0 else min(worst, math.ceil(factor * max_tokens * layer.top_k))
-    return rows + local_experts * (align - 1)
 
 
 class NvshmemBackend(CommBackend):
@@ -65,76 +50,95 @@ class NvshmemBackend(CommBackend):
                 "the nvshmem backend weights expert outputs in combine; this model sets "
                 "score_before_experts=True, which needs [moe_comm] backend = \"nccl\""
             )
-        if not 1 <= layer.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k={layer.top_k}: the nvshmem backend supports 1..{MAX_TOP_K}")
-        if layer.num_experts > MAX_EXPERTS:
-            raise ValueError(f"num_experts={layer.num_experts}: the nvshmem backend supports up to {MAX_EXPERTS}")
-        if self.ep_size > MAX_RANKS:
-            raise ValueError(
-                f"an EP group of {self.ep_size} ranks: the nvshmem backend is the intranode (NVLink) "
-                f"path for up to {MAX_RANKS} GPUs; use backend = \"deepep\" or \"nccl\" across nodes"
-            )
+        if not 1 <= layer.top_k <= LIMITS.max_top_k:
+            raise ValueError(f"top_k={layer.top_k}: the nvshmem backend supports 1..{LIMITS.max_top_k}")
+        if layer.num_experts > LIMITS.max_experts:
+            raise ValueError(f"num_experts={layer.num_experts}: the nvshmem backend supports up to {LIMITS.max_experts}")
+        if self.ep_size > LIMITS.max_ranks:
+            raise ValueError(f"an EP group of {self.ep_size} ranks: the nvshmem backend serves up to {LIMITS.max_ranks}")
         if config.num_sms < 1:
             raise ValueError(f"[moe_comm] num_sms = {config.num_sms} must be at least 1")
+        if config.wait_timeout_s <= 0:
+            raise ValueError(f"[moe_comm] wait_timeout_s = {config.wait_timeout_s} must be > 0")
         if not torch.cuda.is_available():
             raise RuntimeError('the nvshmem backend needs CUDA GPUs; on CPU use [moe_comm] backend = "nccl"')
         load_library(ep_group)
         self.runtime: NvshmemRuntime | None = None
-        self.max_tokens = 0  # set with the buffers at the first dispatch
-        self.capacity = 0
-        # Warp roles per block (experiments/bench_comm.py sweeps them).
-        self.sender_warps = DISPATCH_SENDER_WARPS
-        self.pusher_warps = COMBINE_PUSHER_WARPS
+        self.capacity = 0  # expert rows of the last dispatch
+
+    @property
+    def network_sms(self) -> int:
+        """SMs of num_sms that drive the network hop (0 on one node)."""
+        if self.runtime is None or self.runtime.sizes.nodes == 1:
+            return 0
+        return self.config.network_sms or max(1, self.config.num_sms // 2)
 
     def _start(self, x_TD: torch.Tensor) -> None:
-        max_tokens = self.config.max_tokens_per_rank or x_TD.shape[0]
-        self.runtime = NvshmemRuntime.start(self.ep_group, max_tokens, x_TD.shape[1] * x_TD.element_size())
-        self.max_tokens = max_tokens
+        request = RuntimeRequest(
+            tokens=self.config.max_tokens_per_rank or x_TD.shape[0],
+            num_experts=self.layer.num_experts,
+            top_k=self.layer.top_k,
+            row_bytes=x_TD.shape[1] * x_TD.element_size(),
+            recv_capacity_factor=self.config.recv_capacity_factor,
+            virtual_node_size=self.config.virtual_node_size,
+            wait_timeout_s=self.config.wait_timeout_s,
+        )
+        self.runtime = NvshmemRuntime.start(self.ep_group, request)
 
     def check_errors(self, synchronize: bool = False) -> None:
-        """Raise if an earlier call overflowed or saw bad routing. Without `synchronize` it reads
-        what the GPU has written so far (no host sync); with it, everything issued so far."""
+        """Raise if an earlier call overflowed, routed badly or gave up waiting. Without
+        `synchronize` it reads what the GPU has written so far (no host sync); with it,
+        everything issued so far."""
         if synchronize:
             torch.cuda.current_stream().synchronize()
-        rows_needed, bad_index, duplicate = NvshmemRuntime.errors()
-        if rows_needed:
+        e = NvshmemRuntime.errors()
+        if not e.any:
+            return
+        where = f"nvshmem backend, EP rank {self.ep_rank} of {self.ep_size}"
+        if e.timeout_kernel:
+            sizes = self.runtime.sizes if self.runtime else None
+            peer = e.timeout_peer
+            node = f" (node {peer // sizes.ranks_per_node}, local rank {peer % sizes.ranks_per_node})" if sizes else ""
             raise RuntimeError(
-                f"nvshmem dispatch on EP rank {self.ep_rank} needed {rows_needed} receive rows but has "
-                f"{self.capacity}: raise [moe_comm] recv_capacity_factor (now "
-                f"{self.config.recv_capacity_factor}; 0 sizes for the exact worst case). No rows were "
+                f"{where}: the {e.timeout_kernel} kernel waited {self.config.wait_timeout_s:g} s for {e.timeout_phase} "
+                f"- EP rank {peer}{node} - and gave up. That rank stopped answering or never made this call (every rank "
+                "must make the same MoE calls in the same order); with several ranks on one GPU, ranks x num_sms must "
+                "not exceed its SMs. Raise [moe_comm] wait_timeout_s only if the peer is merely slow. This process's "
+                "NVSHMEM state is no longer usable: the run stops here."
+            )
+        if e.rows_needed or e.slots_buffer:
+            needed = (f"{e.rows_needed} expert rows (capacity {self.capacity})" if e.rows_needed
+                      else f"{e.slots_needed} slots of {e.slots_buffer}")
+            raise RuntimeError(
+                f"{where}: a dispatch needed {needed}: raise [moe_comm] recv_capacity_factor (now "
+                f"{self.config.recv_capacity_factor}; 0 sizes every buffer for the exact worst case). No rows were "
                 "dropped silently: this step's results are invalid and the run stops here."
             )
-        if bad_index:
-            raise RuntimeError(f"the router produced an expert index outside [0, {self.layer.num_experts})")
-        if duplicate:
-            raise RuntimeError("a token picked the same expert twice (topk indices must be distinct per token)")
+        if e.bad_expert_index:
+            raise RuntimeError(f"{where}: the router produced an expert index outside [0, {self.layer.num_experts})")
+        raise RuntimeError(f"{where}: a token picked the same expert twice (topk indices must be distinct per token)")
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> DispatchResult:
         if self.runtime is None:
             self._start(x_TD)
         self.check_errors()
-        if x_TD.shape[0] > self.max_tokens:
+        sizes = self.runtime.sizes
+        if x_TD.shape[0] > sizes.tokens:
             raise ValueError(
-                f"{x_TD.shape[0]} tokens on this rank exceed [moe_comm] max_tokens_per_rank = {self.max_tokens}"
+                f"{x_TD.shape[0]} tokens on this rank exceed [moe_comm] max_tokens_per_rank = {sizes.tokens}"
             )
         align = token_group_alignment()
-        self.capacity = receive_capacity(
-            self.max_tokens, self.layer, self.ep_size, self.config.recv_capacity_factor, align
-        )
+        self.capacity = capacity.expert_rows(sizes.tokens, self.layer.num_experts, self.layer.top_k, self.ep_size,
+                                             self.config.recv_capacity_factor, align)
         topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
         topk_w_TK = topk_w_TK.to(torch.float32).contiguous()
-        recv_x_RD, tokens_per_expert_L, token_slot, slot_rows, slot_w, slot_token, recv_info = (
-            torch.ops.moe_comm.dispatch(
-                x_TD.contiguous(), topk_idx_TK, topk_w_TK, self.layer.num_experts, self.capacity, align,
-                self.config.num_sms, self.sender_warps,
-            )
+        recv_x_RD, tokens_per_expert_L, *handle = torch.ops.moe_comm.dispatch(
+            x_TD.contiguous(), topk_idx_TK, topk_w_TK, self.layer.num_experts, self.capacity, align,
+            self.config.dispatch_dtype == "fp8", self.config.num_sms, self.network_sms, sizes.shape,
         )
-        handle = NvshmemHandle(topk_idx_TK, topk_w_TK, token_slot, slot_rows, slot_w, slot_token, recv_info, align)
-        return DispatchResult(recv_x_RD, tokens_per_expert_L, handle)
+        return DispatchResult(recv_x_RD, tokens_per_expert_L, NvshmemHandle(topk_w_TK, tuple(handle)))
 
     def combine(self, y_RD: torch.Tensor, handle: NvshmemHandle) -> torch.Tensor:
         return torch.ops.moe_comm.combine(
-            y_RD.contiguous(), handle.topk_idx_TK, handle.topk_w_TK, handle.token_slot_TW, handle.slot_rows,
-            handle.slot_w, handle.slot_token, handle.recv_info, self.layer.num_experts, handle.align, True,
-            self.config.num_sms, self.pusher_warps,
+            y_RD.contiguous(), handle.topk_w_TK, *handle.tensors, True, self.config.num_sms, self.network_sms,
         )

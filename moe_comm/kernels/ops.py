@@ -1,90 +1,81 @@
 """Autograd and fake (meta) kernels for torch.ops.moe_comm.dispatch / combine.
 
-The ops themselves are registered by the CUDA library (csrc/ops.cpp). Their backward passes
-are each other: dispatch's backward is an unweighted combine of the row gradients; combine's
+The ops are registered by the CUDA library (csrc/ops/schemas.cpp). Their backward passes are
+each other: dispatch's backward is an unweighted combine of the row gradients; combine's
 backward dispatches the output gradient along the forward's routes, scaling by the routing
-weights and returning the weights' gradients (csrc/combine_backward.cu, csrc/expand.cu,
-csrc/collect_grad_w.cu). TorchTitan's selective activation checkpointing keeps both ops'
+weights and returning the weights' gradients. Both take the SM budget (`num_sms`,
+`network_sms`) from the forward call, kept in the autograd context. The fake kernels compute
+every shape from the ops' arguments (`shape` = [world, local_size, fwd_slots, net_slots]), so
+they need no runtime state. TorchTitan's selective activation checkpointing keeps both ops'
 outputs (moe_comm.titan puts them on its save list), so recomputation never communicates again.
 """
 
 import torch
 
-from moe_comm.kernels import COMBINE_PUSHER_WARPS, DISPATCH_SENDER_WARPS
-
-
-def _world() -> int:
-    from moe_comm.kernels.runtime import NvshmemRuntime
-
-    return NvshmemRuntime._current.world if NvshmemRuntime._current is not None else 1
-
-
-def _max_tokens() -> int:
-    from moe_comm.kernels.runtime import NvshmemRuntime
-
-    return NvshmemRuntime._current.shape.max_tokens if NvshmemRuntime._current is not None else 1
-
-
 @torch.library.register_fake("moe_comm::dispatch")
-def _dispatch_fake(x, topk_idx, topk_w, num_experts, capacity, align, num_sms, sender_warps):
-    world, max_tokens, k = _world(), _max_tokens(), topk_idx.shape[1]
-    i32 = dict(dtype=torch.int32, device=x.device)
+def _dispatch_fake(x, topk_idx, topk_w, num_experts, capacity, align, fp8, num_sms, network_sms, shape):
+    world, local_size, fwd_slots, net_slots = shape
+    nodes, local_experts = world // local_size, num_experts // world
+    tokens, top_k = topk_idx.shape
+    slots = local_size * fwd_slots
+
+    def i32(*size):
+        return torch.empty(*size, dtype=torch.int32, device=x.device)
+
     return (
         x.new_empty(capacity, x.shape[1]),
-        torch.empty(num_experts // world, **i32),
-        torch.empty(x.shape[0], world, **i32),
-        torch.empty(world, max_tokens, k, **i32),
-        torch.empty(world, max_tokens, k, dtype=torch.float32, device=x.device),
-        torch.empty(world, max_tokens, **i32),
-        torch.empty(world + 2 * (num_experts // world), **i32),
+        i32(local_experts),
+        i32(tokens, local_size),
+        i32(tokens, nodes),
+        i32(nodes, nodes + local_size),
+        i32(net_slots, local_size),
+        i32(local_size + 2 * local_experts),
+        i32(slots, top_k),
+        torch.empty(slots, top_k, dtype=torch.float32, device=x.device),
+        i32(slots),
     )
 
 
 @torch.library.register_fake("moe_comm::combine")
-def _combine_fake(y, topk_idx, topk_w, token_slot, slot_rows, slot_w, slot_token, recv_info, num_experts, align,
-                  weighted, num_sms, pusher_warps):
-    return y.new_empty(token_slot.shape[0], y.shape[1])
+def _combine_fake(y, topk_w, rank_pos, send_idx, rail_counts, net_route, recv_info, slot_rows, slot_w, slot_origin,
+                  weighted, num_sms, network_sms):
+    return y.new_empty(rank_pos.shape[0], y.shape[1])
 
 
 @torch.library.register_fake("moe_comm::combine_backward")
-def _combine_backward_fake(grad_out, y, topk_idx, token_slot, slot_rows, slot_w, slot_token, recv_info, num_experts,
-                           align, num_sms, sender_warps):
-    return torch.empty_like(y), y.new_empty(token_slot.shape[0], slot_rows.shape[2], dtype=torch.float32)
+def _combine_backward_fake(grad_out, y, rank_pos, send_idx, rail_counts, net_route, recv_info, slot_rows, slot_w,
+                           slot_origin, num_sms, network_sms):
+    return torch.empty_like(y), y.new_empty(rank_pos.shape[0], slot_rows.shape[1], dtype=torch.float32)
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, topk_idx, topk_w, num_experts, capacity, align, num_sms, sender_warps = inputs
-    _, _, token_slot, slot_rows, slot_w, slot_token, recv_info = output
-    ctx.save_for_backward(topk_idx, topk_w, token_slot, slot_rows, slot_w, slot_token, recv_info)
-    ctx.num_experts, ctx.align, ctx.num_sms = num_experts, align, num_sms
+    ctx.num_sms, ctx.network_sms = inputs[7], inputs[8]
+    ctx.save_for_backward(inputs[2], *output[2:])
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _dispatch_backward(ctx, grad_recv_x, *_):
-    topk_idx, topk_w, token_slot, slot_rows, slot_w, slot_token, recv_info = ctx.saved_tensors
+    topk_w, *handle = ctx.saved_tensors
     grad_x = torch.ops.moe_comm.combine(
-        grad_recv_x.contiguous(), topk_idx, topk_w, token_slot, slot_rows, slot_w, slot_token, recv_info,
-        ctx.num_experts, ctx.align, False, ctx.num_sms, COMBINE_PUSHER_WARPS,
+        grad_recv_x.contiguous(), topk_w, *handle, False, ctx.num_sms, ctx.network_sms,
     )
-    return grad_x, None, None, None, None, None, None, None
+    return (grad_x,) + (None,) * 9
 
 
 def _combine_setup(ctx, inputs, output):
-    (y, topk_idx, topk_w, token_slot, slot_rows, slot_w, slot_token, recv_info, num_experts, align, weighted,
-     num_sms, _) = inputs
+    y, _topk_w, *handle = inputs[:10]
+    weighted, ctx.num_sms, ctx.network_sms = inputs[10:13]
     if not weighted:
         raise RuntimeError("moe_comm::combine is differentiable only with weighted=True")
-    ctx.save_for_backward(y, topk_idx, token_slot, slot_rows, slot_w, slot_token, recv_info)
-    ctx.num_experts, ctx.align, ctx.num_sms = num_experts, align, num_sms
+    ctx.save_for_backward(y, *handle)
 
 
 def _combine_backward(ctx, grad_out):
-    y, topk_idx, token_slot, slot_rows, slot_w, slot_token, recv_info = ctx.saved_tensors
+    y, *handle = ctx.saved_tensors
     grad_y, grad_w = torch.ops.moe_comm.combine_backward(
-        grad_out.contiguous(), y, topk_idx, token_slot, slot_rows, slot_w, slot_token, recv_info,
-        ctx.num_experts, ctx.align, ctx.num_sms, DISPATCH_SENDER_WARPS,
+        grad_out.contiguous(), y, *handle, ctx.num_sms, ctx.network_sms,
     )
-    return grad_y, None, grad_w, None, None, None, None, None, None, None, None, None, None
+    return (grad_y, grad_w) + (None,) * 11
 
 
 torch.library.register_autograd("moe_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)

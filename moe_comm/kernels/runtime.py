@@ -1,12 +1,20 @@
 """Process-wide NVSHMEM state for the nvshmem backend: the library, start-up and teardown.
 
-One process serves one expert-parallel group; every MoE layer shares the same symmetric buffers
-(the kernels make that safe, see csrc/buffers.h). NVSHMEM is bootstrapped by unique ID over the
-EP group's torch.distributed process group, so it works the same under torchrun and srun.
+One process serves one expert-parallel group; every MoE layer shares the same buffers (the
+kernels make that safe, see csrc/runtime/buffers.h). NVSHMEM is bootstrapped by unique ID over
+the EP group's torch.distributed group, so it works the same under torchrun and srun, with NCCL
+or gloo (several ranks sharing one GPU).
+
+The node layout comes from the ranks themselves: the ranks of one host must be consecutive in
+the EP group and equally many per host (TorchTitan's meshes place them so); `[moe_comm]
+virtual_node_size` splits a host into smaller nodes, so the inter-node protocol runs between
+ranks of one machine. The NVSHMEM transport follows: none on one host (no InfiniBand probing),
+the cluster's (NVSHMEM_REMOTE_TRANSPORT from the platform env file) on several.
 """
 
 import atexit
 import os
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -15,10 +23,14 @@ import torch
 import torch.distributed as dist
 
 from moe_comm.kernels.build import library_path
+from moe_comm.kernels.capacity import BufferSizes, buffer_sizes
+from moe_comm.kernels.errors import KernelErrors
+from moe_comm.kernels.limits import LIMITS
 
 INIT_TIMEOUT_S = float(os.environ.get("MOE_COMM_INIT_TIMEOUT", "180"))
 # Headroom on top of what the buffers need: NVSHMEM keeps some of the heap for itself.
 HEAP_HEADROOM_BYTES = 256 << 20
+NETWORK_TRANSPORTS = ("ibrc", "ibgda", "ucx", "libfabric", "ibdevx")
 
 _library_loaded = False
 
@@ -40,52 +52,91 @@ def load_library(group: dist.ProcessGroup | None = None) -> None:
 
 
 @dataclass(frozen=True)
-class RuntimeShape:
-    """What the buffers are sized for; fixed for the life of the process."""
+class RuntimeRequest:
+    """What a backend needs the buffers to hold; every MoE layer of a run asks the same."""
 
-    max_tokens: int
-    max_row_bytes: int
-    max_blocks: int
+    tokens: int  # most tokens one rank dispatches per call
+    num_experts: int
+    top_k: int
+    row_bytes: int  # hidden x element size of the widest rows the run moves
+    recv_capacity_factor: float
+    virtual_node_size: int  # 0: the real node
+    wait_timeout_s: float
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    hosts: int  # distinct hosts the EP group spans
+    ranks_per_host: int
+    ranks_per_node: int  # as the kernels see it (virtual nodes included)
+
+
+def node_layout(group: dist.ProcessGroup, virtual_node_size: int) -> NodeLayout:
+    """The EP group's hosts (all-gathered hostnames), checked to be consecutive equal blocks."""
+    world = dist.get_world_size(group)
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    per_host = hosts.count(hosts[0])
+    blocks = [hosts[i:i + per_host] for i in range(0, world, per_host)]
+    if world % per_host or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        raise RuntimeError(
+            f"the EP group's ranks are not equal consecutive blocks per host ({hosts}); the nvshmem backend needs "
+            "the ranks of one host next to each other in the EP group, equally many on every host"
+        )
+    per_node = virtual_node_size or per_host
+    if per_host % per_node != 0:
+        raise RuntimeError(
+            f"[moe_comm] virtual_node_size = {virtual_node_size} does not divide the {per_host} ranks per host"
+        )
+    if per_node > LIMITS.max_ranks_per_node:
+        raise RuntimeError(
+            f"{per_node} ranks per node: the nvshmem kernels serve up to {LIMITS.max_ranks_per_node} "
+            "(one NVLink domain of a B200/H200 node); set [moe_comm] virtual_node_size"
+        )
+    return NodeLayout(hosts=len(blocks), ranks_per_host=per_host, ranks_per_node=per_node)
 
 
 class NvshmemRuntime:
-    """NVSHMEM initialised over one EP group, with buffers of one RuntimeShape."""
+    """NVSHMEM initialised over one EP group, with buffers sized for one RuntimeRequest."""
 
-    _current: "NvshmemRuntime | None" = None
-
-    def __init__(self, group: dist.ProcessGroup, shape: RuntimeShape):
+    def __init__(self, group: dist.ProcessGroup, request: RuntimeRequest, layout: NodeLayout, sizes: BufferSizes):
         self.group = group
-        self.shape = shape
+        self.request = request
+        self.layout = layout
+        self.sizes = sizes
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
 
     @classmethod
-    def start(cls, group: dist.ProcessGroup, max_tokens: int, max_row_bytes: int) -> "NvshmemRuntime":
+    def start(cls, group: dist.ProcessGroup, request: RuntimeRequest) -> "NvshmemRuntime":
         """Start once per process; later calls must fit the first one's buffers."""
-        max_row_bytes = (max_row_bytes + 15) // 16 * 16
-        if cls._current is not None:
-            current = cls._current
-            if dist.get_process_group_ranks(current.group) != dist.get_process_group_ranks(group):
-                raise RuntimeError("the nvshmem backend serves one expert-parallel group per process")
-            if max_tokens > current.shape.max_tokens or max_row_bytes > current.shape.max_row_bytes:
+        running = current()
+        if running is not None:
+            if dist.get_process_group_ranks(running.group) != dist.get_process_group_ranks(group):
                 raise RuntimeError(
-                    f"the nvshmem buffers hold {current.shape.max_tokens} tokens of "
-                    f"{current.shape.max_row_bytes} bytes per rank, but a call needs {max_tokens} of "
-                    f"{max_row_bytes}; set [moe_comm] max_tokens_per_rank to the largest local "
-                    "batch_size * seq_len the run uses"
+                    "the nvshmem backend serves one EP group per process; every MoE layer must use the same group"
                 )
-            return current
+            if request.tokens > running.request.tokens or request.row_bytes > running.request.row_bytes:
+                raise RuntimeError(
+                    f"the nvshmem buffers hold {running.request.tokens} tokens of {running.request.row_bytes} bytes "
+                    f"per rank, but a call needs {request.tokens} of {request.row_bytes}; set [moe_comm] "
+                    "max_tokens_per_rank to the largest local batch_size * seq_len the run uses"
+                )
+            return running
         load_library(group)
-        device = torch.device("cuda", torch.cuda.current_device())
-        shape = RuntimeShape(max_tokens, max_row_bytes, torch.cuda.get_device_properties(device).multi_processor_count)
-        runtime = cls(group, shape)
+        layout = node_layout(group, request.virtual_node_size)
+        sizes = buffer_sizes(request.tokens, request.num_experts, request.top_k, request.row_bytes,
+                             dist.get_world_size(group), layout.ranks_per_node, request.recv_capacity_factor)
+        runtime = cls(group, request, layout, sizes)
         runtime._init_nvshmem()
-        cls._current = runtime
+        global _runtime
+        _runtime = runtime
         atexit.register(runtime.finalize)
         return runtime
 
     def _init_nvshmem(self) -> None:
-        needed = torch.ops.moe_comm.nvshmem_symmetric_bytes(self.world, self.shape.max_tokens, self.shape.max_row_bytes)
+        s = self.sizes
+        needed = torch.ops.moe_comm.runtime_symmetric_bytes(s.shape, s.tokens, s.send_slots, s.row_bytes)
         heap = needed + HEAP_HEADROOM_BYTES
         user_heap = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
         if user_heap is None:
@@ -93,51 +144,75 @@ class NvshmemRuntime:
         elif _parse_size(user_heap) < heap:
             raise RuntimeError(
                 f"NVSHMEM_SYMMETRIC_SIZE={user_heap} is below the {heap} bytes the nvshmem backend needs "
-                f"({self.shape.max_tokens} tokens x {self.shape.max_row_bytes} bytes x {self.world} ranks); "
-                "unset it or raise it"
+                f"({s.tokens} tokens x {s.row_bytes} bytes, {self.world} ranks); unset it or raise it"
             )
-        # One node: no InfiniBand probing. Never NVLink multicast (NVLS).
-        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        transport = os.environ.get("NVSHMEM_REMOTE_TRANSPORT")
+        if self.layout.hosts == 1:
+            os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one host: no InfiniBand probing
+        elif transport is None or transport.lower() not in NETWORK_TRANSPORTS:
+            raise RuntimeError(
+                f"the EP group spans {self.layout.hosts} hosts but NVSHMEM_REMOTE_TRANSPORT={transport!r}; set it "
+                f"to one of {NETWORK_TRANSPORTS} (the platform env file, [cluster] env_file, does on Nebius)"
+            )
 
-        uid = [torch.ops.moe_comm.nvshmem_unique_id() if self.rank == 0 else None]
+        uid = [torch.ops.moe_comm.runtime_unique_id() if self.rank == 0 else None]
         dist.broadcast_object_list(uid, src=dist.get_global_rank(self.group, 0), group=self.group)
 
         done = threading.Event()
         watchdog = threading.Thread(target=self._watch_init, args=(done,), daemon=True)
         watchdog.start()
         try:
-            torch.ops.moe_comm.nvshmem_init(
-                uid[0], self.rank, self.world, self.shape.max_tokens, self.shape.max_row_bytes, self.shape.max_blocks
-            )
+            torch.ops.moe_comm.runtime_init(uid[0], self.rank, s.shape, s.tokens, s.send_slots, s.row_bytes,
+                                            self.request.wait_timeout_s)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{self._init_hints()}") from e
         finally:
             done.set()
+
+    def _init_hints(self) -> str:
+        hints = ["every rank of the EP group must start the nvshmem backend (the same recipe on every rank)"]
+        if self.layout.hosts > 1:
+            hints += [
+                "NVSHMEM_HCA_LIST must name the InfiniBand devices that exist (ibv_devinfo), without virtual ones",
+                "IBGDA (NVSHMEM_IB_ENABLE_IBGDA=1) needs the driver options NVreg_EnableStreamMemOPs=1 and "
+                "PeerMappingOverride=1, and `ulimit -l unlimited`",
+                "IBRC without GDRCopy is slow but works: check the gdrdrv module if NVSHMEM warns about it",
+                "run `python -m moe_comm preflight` under srun on the job's nodes to test each pair",
+            ]
+        else:
+            hints += ["the GPUs of one host must be NVLink peers (nvidia-smi topo -m)"]
+        return "Likely causes: " + "; ".join(hints) + ". Raise MOE_COMM_INIT_TIMEOUT if start-up is merely slow."
 
     def _watch_init(self, done: threading.Event) -> None:
         if done.wait(INIT_TIMEOUT_S):
             return
         print(
-            f"moe_comm: NVSHMEM start-up did not finish within {INIT_TIMEOUT_S:.0f} s on EP rank "
-            f"{self.rank} of {self.world}. Likely causes: another rank of the group did not start the "
-            "nvshmem backend (every rank must run the same recipe); NVSHMEM probing a network "
-            "transport (NVSHMEM_REMOTE_TRANSPORT=none on one node); the GPUs are not peers over "
-            "NVLink (nvidia-smi topo -m). Raise MOE_COMM_INIT_TIMEOUT if start-up is merely slow.",
+            f"moe_comm: NVSHMEM start-up did not finish within {INIT_TIMEOUT_S:.0f} s on EP rank {self.rank} of "
+            f"{self.world} ({self.layout.hosts} host(s), {self.layout.ranks_per_node} ranks per node). "
+            + self._init_hints(),
             file=sys.stderr,
             flush=True,
         )
         os._exit(3)
 
     def finalize(self) -> None:
-        if NvshmemRuntime._current is self:
-            torch.ops.moe_comm.nvshmem_finalize()
-            NvshmemRuntime._current = None
+        global _runtime
+        if _runtime is self:
+            torch.ops.moe_comm.runtime_finalize()
+            _runtime = None
 
     @staticmethod
-    def errors(clear: bool = False) -> tuple[int, bool, bool]:
-        """(rows needed beyond capacity or 0, bad expert index seen, duplicate expert seen);
-        read from mapped host memory without synchronising."""
-        rows_needed, bad_index, duplicate = torch.ops.moe_comm.nvshmem_errors(clear)
-        return rows_needed, bool(bad_index), bool(duplicate)
+    def errors(clear: bool = False) -> KernelErrors:
+        """The kernels' error words as the GPU wrote them so far (no synchronisation)."""
+        return KernelErrors.from_words(torch.ops.moe_comm.runtime_errors(clear))
+
+
+_runtime: NvshmemRuntime | None = None
+
+
+def current() -> NvshmemRuntime | None:
+    """The running runtime of this process, if any."""
+    return _runtime
 
 
 def _parse_size(text: str) -> int:

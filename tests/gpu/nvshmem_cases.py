@@ -1,114 +1,84 @@
-"""GPU correctness cases for the nvshmem backend, run under torchrun (1 or more GPUs).
+"""GPU correctness cases for the nvshmem backend, run under torchrun with any number of ranks.
 
-One process group and one NVSHMEM start-up serve every case (start-up costs seconds), so the
-cases run in one launch; each writes PASS/FAIL with its error to a JSON report that
-tests/test_nvshmem_gpu.py turns into one pytest test per case.
+With at least one GPU per rank the process group is NCCL; with more ranks than GPUs, ranks
+share GPUs (NVSHMEM PEs on one GPU, under CUDA MPS, which tests/test_nvshmem_gpu.py starts) and
+the group is gloo, since NCCL refuses two ranks on one GPU. `--virtual-node G` makes the kernels
+treat groups of G ranks as nodes, so the inter-node protocol (network hop by NVSHMEM
+put/signal, then NVLink forwarding) runs between ranks of one machine.
 
-Oracles (DeepEP's, plus references):
-  - received rows equal a pure-torch expert-major layout built from every rank's tokens,
-    bit for bit (rows are copies), padding rows zero;
-  - per-expert counts equal an all-reduce of the routing histogram;
-  - combine with unit weights divided by the fan-out equals the input;
-  - outputs and gradients (x and routing weights) against a pure-torch reference and against
-    the "nccl" backend.
+One NVSHMEM start-up serves every case (start-up costs seconds); each case writes PASS/FAIL with
+its error to a JSON report that tests/test_nvshmem_gpu.py turns into one test per case. Every
+collective of a case runs on every rank before its first assertion, so a failing rank never
+leaves another waiting. The oracles are tests/gpu/oracles.py.
 
-Usage: torchrun --nproc_per_node N tests/gpu/nvshmem_cases.py REPORT.json
+Usage: torchrun --nproc_per_node N tests/gpu/nvshmem_cases.py REPORT.json [--virtual-node G]
+       [--errors]  buffers sized with recv_capacity_factor 1: slot overflow must raise, then
+                   one rank skips a call and every rank must raise within the timeout
 """
 
+import argparse
 import faulthandler
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from moe_comm.backends.base import MoELayerSpec
-from moe_comm.backends.nvshmem import NvshmemBackend, receive_capacity
-from moe_comm.config import MoEComm
-from moe_comm.kernels.runtime import NvshmemRuntime
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from oracles import (  # noqa: E402
+    apply_experts,
+    expert_params,
+    forwarded_slots,
+    fp8_round_trip,
+    gather_cpu,
+    reference_forward,
+    reference_layout,
+    routing,
+)
+
+from moe_comm.backends.base import MoELayerSpec  # noqa: E402
+from moe_comm.backends.nvshmem import NvshmemBackend  # noqa: E402
+from moe_comm.config import MoEComm  # noqa: E402
+from moe_comm.kernels import runtime  # noqa: E402
 
 MAX_TOKENS = 1024
 MAX_HIDDEN = 7168
 ALIGN = 8  # TorchTitan's bf16 default
-
-
-def routing(num_tokens, num_experts, top_k, mode, generator, device):
-    """topk_idx [T, K] int64 and weights [T, K] float32, distinct experts per token."""
-    if mode == "random":
-        scores = torch.rand(num_tokens, num_experts, generator=generator, device=device)
-        idx = scores.topk(top_k, dim=1).indices
-    elif mode == "one_expert":  # every token's first pick is expert 0
-        scores = torch.rand(num_tokens, num_experts, generator=generator, device=device)
-        scores[:, 0] = 2.0
-        idx = scores.topk(top_k, dim=1).indices
-    else:
-        raise ValueError(mode)
-    w = torch.rand(num_tokens, top_k, generator=generator, device=device) + 0.1
-    return idx.contiguous(), w.contiguous()
-
-
-def gather_cpu(t):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, t.detach().cpu())
-    return out
-
-
-def expert_params(num_experts, hidden, dtype, device, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    a = (torch.rand(num_experts, hidden, generator=g) + 0.5).to(device=device, dtype=dtype)
-    b = (torch.rand(num_experts, hidden, generator=g) - 0.5).to(device=device, dtype=dtype)
-    return a, b
-
-
-def apply_experts(recv, tokens_per_expert, first_expert, a, b):
-    """y = recv * a_e + b_e on each expert's segment (padding and tail rows stay zero)."""
-    y = torch.zeros_like(recv)
-    start = 0
-    for e, n in enumerate(tokens_per_expert.tolist()):
-        if n:
-            y[start:start + n] = recv[start:start + n] * a[first_expert + e] + b[first_expert + e]
-        start += n
-    return y
-
-
-def reference_layout(xs, idxs, rank, local_experts, align):
-    rows, counts = [], []
-    hidden, dtype = xs[0].shape[1], xs[0].dtype
-    for e in range(rank * local_experts, (rank + 1) * local_experts):
-        seg = [x[(idx == e).any(dim=1)] for x, idx in zip(xs, idxs)]
-        seg = torch.cat(seg) if seg else torch.zeros(0, hidden, dtype=dtype)
-        n = seg.shape[0]
-        padded = (n + align - 1) // align * align
-        rows.append(torch.cat([seg, torch.zeros(padded - n, hidden, dtype=dtype)]))
-        counts.append(padded)
-    return torch.cat(rows), torch.tensor(counts, dtype=torch.int32)
-
-
-def reference_forward(x, idx, w, a, b):
-    """out_t = sum_k w_tk * (x_t * a_e + b_e), all in fp32."""
-    x32, a32, b32 = x.float(), a.float(), b.float()
-    y = x32[:, None, :] * a32[idx] + b32[idx]  # [T, K, D]
-    return (w[:, :, None] * y).sum(dim=1)
+NUM_SMS = int(os.environ.get("MOE_COMM_TEST_NUM_SMS", "8"))
+TIMEOUT_S = float(os.environ.get("MOE_COMM_TEST_WAIT_TIMEOUT", "20"))
 
 
 class Cases:
-    def __init__(self):
+    def __init__(self, virtual_node: int, factor: float):
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = dist.group.WORLD
+        self.virtual_node = virtual_node
         self.results = {}
+        self.first = self.backend(32 * self.world, 8, MAX_HIDDEN, factor=factor)
         # Size the buffers once for the largest case (fp32 rows of the widest hidden).
-        NvshmemRuntime.start(self.group, MAX_TOKENS, MAX_HIDDEN * 4)
+        self.first._start(torch.empty(MAX_TOKENS, MAX_HIDDEN, dtype=torch.float32, device=self.device))
+        sizes = self.first.runtime.sizes
+        self.G, self.N = sizes.ranks_per_node, sizes.nodes
 
-    def backend(self, num_experts, top_k, hidden, factor=0.0, num_sms=20):
+    def config(self, factor=0.0, fp8=False):
+        return MoEComm(backend="nvshmem", num_sms=NUM_SMS, max_tokens_per_rank=MAX_TOKENS, recv_capacity_factor=factor,
+                       virtual_node_size=self.virtual_node, wait_timeout_s=TIMEOUT_S,
+                       dispatch_dtype="fp8" if fp8 else "bf16")
+
+    def backend(self, num_experts, top_k, hidden, factor=0.0, fp8=False):
         layer = MoELayerSpec(num_experts=num_experts, top_k=top_k, hidden=hidden)
-        config = MoEComm(backend="nvshmem", num_sms=num_sms, max_tokens_per_rank=MAX_TOKENS, recv_capacity_factor=factor)
-        return NvshmemBackend(layer, self.group, config)
+        return NvshmemBackend(layer, self.group, self.config(factor, fp8))
+
+    def route(self, T, E, K, mode, g):
+        return routing(T, E, K, mode, g, self.device, self.rank, self.world, self.G)
 
     def run(self, name, fn, *args):
+        start = time.time()
         try:
             fn(*args)
             dist.barrier()
@@ -117,104 +87,114 @@ class Cases:
             self.results[name] = "FAIL\n" + traceback.format_exc()
             print(f"[rank {self.rank}] {name} FAILED\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         if self.rank == 0:
-            print(f"{name}: {self.results[name].splitlines()[0]}", flush=True)
+            print(f"{name}: {self.results[name].splitlines()[0]} ({time.time() - start:.1f} s)", flush=True)
 
     # ---- cases -------------------------------------------------------------------------
-    def layout_and_combine(self, num_tokens, hidden, num_experts, top_k, dtype, mode, seed, zero_rank=None):
-        g = torch.Generator(device=self.device).manual_seed(seed * 100 + self.rank)
+    def layout_and_combine(self, num_tokens, hidden, num_experts, top_k, dtype, mode, seed, zero_rank=None, fp8=False):
+        g = torch.Generator().manual_seed(seed * 100 + self.rank)
         T = 0 if zero_rank == self.rank else num_tokens
-        x = torch.randn(T, hidden, generator=g, device=self.device).to(dtype)
-        idx, w = routing(T, num_experts, top_k, mode, g, self.device)
-        backend = self.backend(num_experts, top_k, hidden)
+        x = torch.randn(T, hidden, generator=g).to(dtype).to(self.device)
+        idx, w = self.route(T, num_experts, top_k, mode, g)
+        backend = self.backend(num_experts, top_k, hidden, fp8=fp8)
         L = num_experts // self.world
 
-        # Every collective first (both ranks must reach each one), then the assertions.
         result = backend.dispatch(x, idx, w)
-        y_unit = result.recv_x_RD.clone()
-        out_unit = backend.combine(y_unit, result.handle)
-        torch.cuda.synchronize()
-        backend.check_errors(synchronize=True)
-        # Fan-out oracle: unit weights, then divide by K.
+        out_w = backend.combine(result.recv_x_RD.clone(), result.handle)
         r1 = backend.dispatch(x, idx, torch.ones_like(w))
         out1 = backend.combine(r1.recv_x_RD, r1.handle)
-        xs, idxs = gather_cpu(x), gather_cpu(idx)
-        # DeepEP's oracle: per-expert counts against an all-reduce of the routing histogram.
-        hist = torch.bincount(idx.flatten(), minlength=num_experts).to(torch.int64)
+        torch.cuda.synchronize()
+        backend.check_errors(synchronize=True)
+        sent = fp8_round_trip(x.cpu()) if fp8 else x.cpu()
+        xs, idxs = gather_cpu(sent), gather_cpu(idx)
+        hist = torch.bincount(idx.flatten().cpu(), minlength=num_experts).to(torch.int64)
         dist.all_reduce(hist)
 
-        ref_rows, ref_counts = reference_layout(xs, idxs, self.rank, L, ALIGN)
+        # The kernels lay an expert's rows out forwarder by forwarder (the source's local index),
+        # then by the source's node, each source's rows in token order.
+        sources = sorted(range(self.world), key=lambda s: (s % self.G, s // self.G))
+        ref_rows, ref_counts = reference_layout(xs, idxs, self.rank, L, ALIGN, sources)
         counts = result.tokens_per_expert_L.cpu()
         assert torch.equal(counts, ref_counts), f"tokens_per_expert {counts.tolist()} != {ref_counts.tolist()}"
-        true_counts = hist[self.rank * L:(self.rank + 1) * L].cpu()
-        padded = (true_counts + ALIGN - 1) // ALIGN * ALIGN
+        padded = (hist[self.rank * L:(self.rank + 1) * L] + ALIGN - 1) // ALIGN * ALIGN
         assert torch.equal(padded.to(torch.int32), counts), "counts disagree with the all-reduced histogram"
+        partitions = result.handle.tensors[4][: self.G].cpu().tolist()  # recv_info: slots per forwarder
+        expected = forwarded_slots(idxs, self.rank, num_experts, self.G)
+        assert partitions == expected, f"slots per forwarder {partitions} != {expected}"
         n = int(counts.sum())
         assert n <= result.recv_x_RD.shape[0]
         assert torch.equal(result.recv_x_RD[:n].cpu(), ref_rows), "received rows differ from the reference layout"
 
         # combine(dispatch(x)) with the routing weights == x * sum_k w_k (identity experts).
-        expected = (x.float() * w.sum(dim=1, keepdim=True)).to(dtype)
+        base = sent.float().to(self.device)
+        expected_out = base * w.sum(dim=1, keepdim=True)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        err = (out_unit.float() - expected.float()).abs().max().item() if T else 0.0
-        assert err <= tol * max(1.0, expected.float().abs().max().item() if T else 1.0), f"combine error {err}"
         if T:
-            fan = (out1.float() / top_k - x.float()).abs().max().item()
-            limit = (1e-6 if dtype == torch.float32 else 1e-2) * max(1.0, x.float().abs().max().item())
+            err = (out_w.float() - expected_out).abs().max().item()
+            assert err <= tol * max(1.0, expected_out.abs().max().item()), f"combine error {err}"
+            fan = (out1.float() / top_k - base).abs().max().item()
+            limit = (1e-6 if dtype == torch.float32 else 1e-2) * max(1.0, base.abs().max().item())
             assert fan <= limit, f"combine/fan-out differs from x by {fan}"
 
-    def forward_backward(self, num_tokens, hidden, num_experts, top_k, dtype, seed, compare_nccl):
-        g = torch.Generator(device=self.device).manual_seed(seed * 7 + self.rank)
-        x = torch.randn(num_tokens, hidden, generator=g, device=self.device).to(dtype).requires_grad_(True)
-        idx, w0 = routing(num_tokens, num_experts, top_k, "random", g, self.device)
-        w = w0.clone().requires_grad_(True)
-        grad_out = torch.randn(num_tokens, hidden, generator=g, device=self.device).to(dtype)
+    def forward_backward(self, num_tokens, hidden, num_experts, top_k, dtype, seed, mode="random"):
+        g = torch.Generator().manual_seed(seed * 7 + self.rank)
+        x0 = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(self.device)
+        idx, w0 = self.route(num_tokens, num_experts, top_k, mode, g)
+        grad_out = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(self.device)
         a, b = expert_params(num_experts, hidden, dtype, self.device, seed)
         L = num_experts // self.world
 
-        def run(backend):
-            xx = x.detach().clone().requires_grad_(True)
-            ww = w.detach().clone().requires_grad_(True)
-            res = backend.dispatch(xx, idx, ww)
-            y = apply_experts(res.recv_x_RD, res.tokens_per_expert_L, self.rank * L, a, b)
+        def run(backend, device):
+            xx = x0.detach().clone().to(device).requires_grad_(True)
+            ww = w0.detach().clone().to(device).requires_grad_(True)
+            res = backend.dispatch(xx, idx.to(device), ww)
+            y = apply_experts(res.recv_x_RD, res.tokens_per_expert_L, self.rank * L, a.to(device), b.to(device))
             out = backend.combine(y, res.handle)
-            (out.float() * grad_out.float()).sum().backward()
-            return out.detach(), xx.grad, ww.grad
+            (out.float() * grad_out.to(device).float()).sum().backward()
+            return out.detach().cpu(), xx.grad.cpu(), ww.grad.cpu()
 
-        # Both backends run (collectives on every rank) before the first assertion.
-        out, gx, gw = run(self.backend(num_experts, top_k, hidden))
-        if compare_nccl:
-            from moe_comm.backends.nccl import NcclBackend
+        out, gx, gw = run(self.backend(num_experts, top_k, hidden), self.device)
+        # The "nccl" backend's maths (TorchTitan's path) on CPU copies over the same gloo/NCCL group
+        # when the group is gloo; the pure-torch reference either way.
+        from moe_comm.backends.nccl import NcclBackend
 
+        nccl_ref = None
+        if dist.get_backend(self.group) == "gloo":
+            from moe_comm.titan import cpu
+
+            cpu.apply()  # TorchTitan's EP permute and histc on CPU tensors
             layer = MoELayerSpec(num_experts=num_experts, top_k=top_k, hidden=hidden)
-            o2, gx2, gw2 = run(NcclBackend(layer, self.group, MoEComm(backend="nccl")))
-        # Pure-torch reference on this rank's tokens (experts are elementwise, so no gather).
-        xr = x.detach().float().clone().requires_grad_(True)
-        wr = w.detach().clone().requires_grad_(True)
-        ref = reference_forward(xr, idx, wr, a, b)
-        (ref * grad_out.float()).sum().backward()
+            nccl_ref = run(NcclBackend(layer, self.group, MoEComm(backend="nccl")), torch.device("cpu"))
+        xr = x0.detach().float().cpu().requires_grad_(True)
+        wr = w0.detach().cpu().clone().requires_grad_(True)
+        ref = reference_forward(xr, idx.cpu(), wr, a.cpu(), b.cpu())
+        (ref * grad_out.float().cpu()).sum().backward()
         tol = 1e-4 if dtype == torch.float32 else 3e-2
-        scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
-        assert (out.float() - ref.detach()).abs().max().item() <= tol * scale(ref), "forward differs from reference"
-        assert (gx.float() - xr.grad).abs().max().item() <= tol * scale(xr.grad), "grad x differs from reference"
-        # grad w is a dot product over hidden: bf16 inputs put its error near 1e-2 relative.
-        gw_tol = 1e-4 if dtype == torch.float32 else 5e-2
-        assert (gw - wr.grad).abs().max().item() <= gw_tol * scale(wr.grad), "grad w differs from reference"
-        if compare_nccl:
-            assert (out.float() - o2.float()).abs().max().item() <= tol * scale(o2.float()), "forward differs from nccl"
-            assert (gx.float() - gx2.float()).abs().max().item() <= tol * scale(gx2.float()), "grad x differs from nccl"
-            assert (gw - gw2).abs().max().item() <= gw_tol * scale(gw2), "grad w differs from nccl"
+        gw_tol = 1e-4 if dtype == torch.float32 else 5e-2  # a dot over hidden: bf16 inputs, ~1e-2 relative
+
+        def close(got, want, limit, what):
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= limit * max(1.0, want.float().abs().max().item()), f"{what} differs by {err}"
+
+        close(out, ref.detach(), tol, "forward (vs reference)")
+        close(gx, xr.grad, tol, "grad x (vs reference)")
+        close(gw, wr.grad, gw_tol, "grad w (vs reference)")
+        if nccl_ref is not None:
+            close(out, nccl_ref[0], tol, "forward (vs nccl)")
+            close(gx, nccl_ref[1], tol, "grad x (vs nccl)")
+            close(gw, nccl_ref[2], gw_tol, "grad w (vs nccl)")
 
     def many_calls(self, hidden, num_experts, top_k, calls):
-        """Changing routing every call, dispatches back to back (the barrier path) included."""
+        """Changing routing every call, two dispatches in a row every fifth call."""
         backend = self.backend(num_experts, top_k, hidden)
-        errors = []  # asserted after the loop, so every rank makes every call
+        errors = []
+        modes = ("random", "zipf", "own_node", "one_node", "every_node")
         for i in range(calls):
-            g = torch.Generator(device=self.device).manual_seed(1000 + i * 31 + self.rank)
-            T = 1 + (i * 97) % MAX_TOKENS
-            x = torch.randn(T, hidden, generator=g, device=self.device, dtype=torch.bfloat16)
-            idx, w = routing(T, num_experts, top_k, "random", g, self.device)
+            g = torch.Generator().manual_seed(1000 + i * 31 + self.rank)
+            T = 1 + (i * 97 + self.rank * 13) % MAX_TOKENS
+            x = torch.randn(T, hidden, generator=g).to(torch.bfloat16).to(self.device)
+            idx, w = self.route(T, num_experts, top_k, modes[i % len(modes)], g)
             res = backend.dispatch(x, idx, w)
-            if i % 5 == 4:  # two dispatches in a row, then combine the second
+            if i % 5 == 4:
                 res = backend.dispatch(x, idx, w)
             out = backend.combine(res.recv_x_RD, res.handle)
             expected = x.float() * w.sum(dim=1, keepdim=True)
@@ -225,30 +205,62 @@ class Cases:
         assert not errors, errors
 
     def capacity_overflow(self):
-        """All tokens to one rank's experts with a small capacity: the error names the field."""
+        """Every token to one rank's experts with a small capacity: the error names the field,
+        and the counts stay clamped inside recv_x."""
         hidden, num_experts, top_k = 256, 8 * self.world, 2
         backend = self.backend(num_experts, top_k, hidden, factor=0.1)
         T = 512
         x = torch.randn(T, hidden, device=self.device, dtype=torch.bfloat16)
-        idx = torch.stack([torch.zeros(T, dtype=torch.int64), torch.ones(T, dtype=torch.int64)], dim=1).to(self.device)
+        idx = torch.tensor([[0, 1]] * T, dtype=torch.int64, device=self.device)
         w = torch.ones(T, top_k, device=self.device)
         res = backend.dispatch(x, idx, w)
         backend.combine(res.recv_x_RD, res.handle)
-        # Until the host raises, the counts are clamped so the grouped GEMM stays inside recv_x.
         rows_counted = int(res.tokens_per_expert_L.sum())
         raised = None
         try:
             backend.check_errors(synchronize=True)
         except RuntimeError as e:
             raised = str(e)
-        NvshmemRuntime.errors(clear=True)
+        runtime.NvshmemRuntime.errors(clear=True)
         dist.barrier()
         assert rows_counted <= res.recv_x_RD.shape[0], f"counts {rows_counted} exceed capacity {res.recv_x_RD.shape[0]}"
         if self.rank == 0:
             assert raised is not None and "recv_capacity_factor" in raised, f"no capacity error: {raised}"
 
+    def slot_overflow(self):
+        """With slot buffers sized for 1x the expected load, every token of every rank to rank 0:
+        the forwarders' deliveries (and across nodes the network arrivals) overflow. The error
+        names the field, nothing hangs, and the next calls still work."""
+        hidden, num_experts, top_k = 256, 8 * self.world, 4
+        backend = self.backend(num_experts, top_k, hidden, factor=1.0)
+        T = MAX_TOKENS
+        x = torch.randn(T, hidden, device=self.device, dtype=torch.bfloat16)
+        idx = torch.arange(top_k, dtype=torch.int64, device=self.device).repeat(T, 1)
+        w = torch.ones(T, top_k, device=self.device)
+        res = backend.dispatch(x, idx, w)
+        backend.combine(res.recv_x_RD, res.handle)
+        raised = None
+        try:
+            backend.check_errors(synchronize=True)
+        except RuntimeError as e:
+            raised = str(e)
+        runtime.NvshmemRuntime.errors(clear=True)
+        dist.barrier()
+        if self.rank == 0:
+            assert raised is not None and "recv_capacity_factor" in raised, f"no capacity error: {raised}"
+        # Still usable: a light call afterwards is right.
+        idx2, w2 = self.route(64, num_experts, top_k, "random", torch.Generator().manual_seed(self.rank))
+        x2 = x[:64].contiguous()
+        res = backend.dispatch(x2, idx2, w2)
+        out = backend.combine(res.recv_x_RD, res.handle)
+        backend.check_errors(synchronize=True)
+        expected = x2.float() * w2.sum(dim=1, keepdim=True)
+        err = (out.float() - expected).abs().max().item()
+        assert err <= 2e-2 * max(1.0, expected.abs().max().item()), f"the call after the overflow is off by {err}"
+
     def cuda_graph(self, hidden, num_experts, top_k):
-        """Dispatch + combine captured once and replayed on new inputs: no host sync inside."""
+        """dispatch, dispatch, combine captured once and replayed on new inputs: no host sync or
+        host-side barrier inside, and the replays are right."""
         backend = self.backend(num_experts, top_k, hidden)
         T = 256
         x = torch.zeros(T, hidden, device=self.device, dtype=torch.bfloat16)
@@ -256,22 +268,23 @@ class Cases:
         w = torch.zeros(T, top_k, device=self.device)
 
         def fill(seed):
-            g = torch.Generator(device=self.device).manual_seed(seed + self.rank)
-            x.copy_(torch.randn(T, hidden, generator=g, device=self.device))
-            i2, w2 = routing(T, num_experts, top_k, "random", g, self.device)
+            g = torch.Generator().manual_seed(seed + self.rank)
+            x.copy_(torch.randn(T, hidden, generator=g))
+            i2, w2 = self.route(T, num_experts, top_k, "random", g)
             idx.copy_(i2)
             w.copy_(w2)
 
         fill(1)
-        res = backend.dispatch(x, idx, w)  # warm up (starts NVSHMEM state)
+        res = backend.dispatch(x, idx, w)
         backend.combine(res.recv_x_RD, res.handle)
         torch.cuda.synchronize()
         dist.barrier()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
+            backend.dispatch(x, idx, w)
             res = backend.dispatch(x, idx, w)
             out = backend.combine(res.recv_x_RD, res.handle)
-        errors = []  # asserted after the loop, so every rank replays every time
+        errors = []
         for seed in (2, 3, 4):
             fill(seed)
             torch.cuda.synchronize()
@@ -282,6 +295,7 @@ class Cases:
             err = (out.float() - expected).abs().max().item()
             if err > 2e-2 * max(1.0, expected.abs().max().item()):
                 errors.append(f"replay {seed}: error {err}")
+        backend.check_errors(synchronize=True)
         assert not errors, errors
 
     def bad_input(self):
@@ -301,31 +315,72 @@ class Cases:
         else:
             assert self.world == 1, "num_experts not divisible by EP was accepted"
 
+    def hang(self):
+        """Rank 1 skips one combine and then dispatches again: every rank must raise an error
+        naming a peer within the timeout, and no kernel may be left spinning."""
+        backend = self.backend(8 * self.world, 2, 256)
+        x = torch.randn(64, 256, device=self.device, dtype=torch.bfloat16)
+        idx = torch.stack([torch.arange(64) % (8 * self.world), (torch.arange(64) + 1) % (8 * self.world)], 1)
+        idx, w = idx.to(self.device), torch.ones(64, 2, device=self.device)
+        res = backend.dispatch(x, idx, w)
+        start = time.time()
+        if self.rank != 1:
+            backend.combine(res.recv_x_RD, res.handle)
+        else:
+            backend.dispatch(x, idx, w)
+        raised = None
+        try:
+            torch.cuda.synchronize()  # returns: the waits are bounded
+            backend.check_errors()
+        except RuntimeError as e:
+            raised = str(e)
+        elapsed = time.time() - start
+        assert raised is not None, f"rank {self.rank}: no error after {elapsed:.1f} s"
+        assert "gave up" in raised and "EP rank" in raised, raised
+        assert elapsed < TIMEOUT_S * 3 + 10, f"raised after {elapsed:.1f} s, timeout {TIMEOUT_S} s"
+        print(f"[rank {self.rank}] raised after {elapsed:.1f} s: {raised.splitlines()[0][:300]}", flush=True)
+
 
 def main():
     faulthandler.enable()
-    report = sys.argv[1]
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("report")
+    parser.add_argument("--virtual-node", type=int, default=0)
+    parser.add_argument("--errors", action="store_true")
+    args = parser.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    c = Cases()
+    world = int(os.environ["WORLD_SIZE"])
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(local_rank % gpus)
+    if world <= gpus:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    c = Cases(args.virtual_node, 1.0 if args.errors else 0.0)
     bf16, fp32 = torch.bfloat16, torch.float32
-    c.run("layout_random_h7168_top8_bf16", c.layout_and_combine, 512, 7168, 32 * c.world, 8, bf16, "random", 1)
-    c.run("layout_random_h2048_top8_fp32", c.layout_and_combine, 512, 2048, 32 * c.world, 8, fp32, "random", 2)
-    c.run("layout_top1_h2048_bf16", c.layout_and_combine, 512, 2048, 8 * c.world, 1, bf16, "random", 3)
-    c.run("layout_one_expert_top1", c.layout_and_combine, 512, 2048, 8 * c.world, 1, bf16, "one_expert", 4)
-    c.run("layout_one_expert_top8", c.layout_and_combine, 300, 2048, 16 * c.world, 8, fp32, "one_expert", 5)
-    c.run("layout_256_experts_uneven", c.layout_and_combine, 1000, 2048, 256, 8, bf16, "random", 6)
-    c.run("layout_zero_tokens_on_last_rank", c.layout_and_combine, 256, 2048, 8 * c.world, 4, bf16, "random", 7,
-          c.world - 1)
-    compare = c.world > 1
-    c.run("grad_h2048_top6_fp32", c.forward_backward, 384, 2048, 16 * c.world, 6, fp32, 8, compare)
-    c.run("grad_h7168_top8_bf16", c.forward_backward, 256, 7168, 32 * c.world, 8, bf16, 9, compare)
-    c.run("many_calls_changing_routing", c.many_calls, 2048, 32 * c.world, 8, 25)
-    c.run("capacity_overflow_raises", c.capacity_overflow)
-    c.run("cuda_graph_replay", c.cuda_graph, 2048, 16 * c.world, 8)
-    c.run("bad_input_errors", c.bad_input)
+    W = c.world
+    if args.errors:
+        c.run("slot_overflow_raises", c.slot_overflow)
+        c.run("hang_raises_on_every_rank", c.hang)
+    else:
+        c.run("layout_random_h7168_top8_bf16", c.layout_and_combine, 512, 7168, 32 * W, 8, bf16, "random", 1)
+        c.run("layout_random_h2048_top8_fp32", c.layout_and_combine, 512, 2048, 32 * W, 8, fp32, "random", 2)
+        c.run("layout_top1_h2048_bf16", c.layout_and_combine, 512, 2048, 8 * W, 1, bf16, "random", 3)
+        c.run("layout_one_expert_top8", c.layout_and_combine, 300, 2048, 16 * W, 8, fp32, "one_expert", 5)
+        c.run("layout_zipf_top6", c.layout_and_combine, 400, 1024, 16 * W, 6, bf16, "zipf", 6)
+        c.run("layout_own_node_only", c.layout_and_combine, 300, 1024, 16 * W, 4, bf16, "own_node", 7)
+        c.run("layout_one_other_node", c.layout_and_combine, 300, 1024, 16 * W, 4, bf16, "one_node", 8)
+        c.run("layout_every_node", c.layout_and_combine, 300, 1024, 16 * W, 8, bf16, "every_node", 9)
+        c.run("layout_zero_tokens_on_last_rank", c.layout_and_combine, 256, 2048, 8 * W, 4, bf16, "random", 10, W - 1)
+        c.run("layout_fp8_h7168_top8", c.layout_and_combine, 512, 7168, 32 * W, 8, bf16, "random", 11, None, True)
+        c.run("layout_fp8_every_node", c.layout_and_combine, 256, 2048, 16 * W, 8, bf16, "every_node", 12, None, True)
+        c.run("grad_h2048_top6_fp32", c.forward_backward, 384, 2048, 16 * W, 6, fp32, 13)
+        c.run("grad_h7168_top8_bf16", c.forward_backward, 256, 7168, 32 * W, 8, bf16, 14)
+        c.run("grad_every_node_top8_fp32", c.forward_backward, 200, 1024, 16 * W, 8, fp32, 15, "every_node")
+        c.run("many_calls_changing_routing", c.many_calls, 2048, 32 * W, 8, 20)
+        c.run("capacity_overflow_raises", c.capacity_overflow)
+        c.run("cuda_graph_dispatch_dispatch_combine", c.cuda_graph, 2048, 16 * W, 8)
+        c.run("bad_input_errors", c.bad_input)
     per_rank = [None] * c.world
     dist.all_gather_object(per_rank, c.results)
     merged = {}
@@ -333,10 +388,13 @@ def main():
         failures = [f"rank {r}: {res[name]}" for r, res in enumerate(per_rank) if res[name] != "PASS"]
         merged[name] = "PASS" if not failures else "FAIL\n" + "\n".join(failures)
     if c.rank == 0:
-        with open(report, "w") as f:
-            json.dump({"world": c.world, "results": merged}, f, indent=1)
+        with open(args.report, "w") as f:
+            json.dump({"world": c.world, "virtual_node": args.virtual_node, "ranks_per_node": c.G, "nodes": c.N,
+                       "gpus": gpus, "results": merged}, f, indent=1)
+    if args.errors:
+        os._exit(0)  # NVSHMEM gave up on its peers: no collective teardown
     dist.barrier()
-    NvshmemRuntime._current.finalize()
+    runtime.current().finalize()
     dist.destroy_process_group()
 
 

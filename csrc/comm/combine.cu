@@ -1,0 +1,164 @@
+// Combine: each rank's staged partial sums (layout/reduce.cu) go back along the dispatch
+// routes, and are added up on the way: over NVLink to the forwarder of the slot, which adds the
+// node's partials of each net slot in fp32 and sends one row per token per node home over the
+// network. The token's own rank adds the rest (layout/finalize.cu) once this kernel saw every
+// partial arrive. Also the backward of dispatch (unit weights, staged the same way).
+//
+// One cooperative launch of `num_blocks` blocks:
+//   1. begin   buffers free on both hops.
+//   2. roles   network forwarders (the first `network_blocks` blocks, only on several nodes):
+//              per chunk of net slots, wait for the chunks of partials that hold them, add them
+//              up, stage the rows and put the chunk home with a signal;
+//              pushers (the rest): push every staged slot of partition g to forwarder g of the
+//              node, a flag per chunk; then wait for what this rank's tokens need: the partials
+//              for them from every rank of the node, and every chunk that comes home.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+
+#include "comm/comm.h"
+#include "comm/protocol.cuh"
+#include "common/copy.cuh"
+#include "common/vec.cuh"
+
+namespace cg = cooperative_groups;
+
+namespace moe_comm {
+
+// Loads in flight per lane while a pusher copies one partial row: with a single destination the
+// registers allow twice copy_row's default.
+constexpr int kPushUnroll = 2 * kCopyUnroll;
+
+template <typename T>
+__global__ void __launch_bounds__(kCommThreads, 1) combine_kernel(const Buffers b, const CombineArgs a) {
+  constexpr int kElems = Vec<T>::kElems;
+  __shared__ RailPlan plan;
+  __shared__ ChunkList net_items;
+  cg::grid_group grid = cg::this_grid();
+  const Topology t = b.topo;
+  const Capacity cap = b.cap;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int N = t.nodes, G = t.local_size;
+  const uint32_t tag = b.calls[kCombineLike] + 1;
+  const Peer& self = b.peer[t.local];
+
+  begin_call(b, kCombineLike, tag, kKernelCombine, true, true);
+  if (threadIdx.x == 0) {
+    fill_rail_plan(plan, a.rail_counts, t, cap);
+    net_items.build(plan.net_count, N);
+  }
+  grid.sync();
+
+  const int network_blocks = N > 1 ? a.network_blocks : 0;
+  if ((int)blockIdx.x < network_blocks) {
+    const int workers = network_blocks * kCommWarps;
+    for (int item = blockIdx.x * kCommWarps + warp; item < net_items.total(); item += workers) {
+      int n, c;
+      net_items.locate(item, n, c);
+      const int first = plan.net_off[n] + c * kChunkSlots;
+      const int n_slots = min(kChunkSlots, plan.net_count[n] - c * kChunkSlots);
+      for (int s = first; s < first + n_slots; ++s) {
+        const int idx = lane < G ? a.net_route[(int64_t)s * G + lane] : -1;
+        const uint4* rows[kMaxRanksPerNode];
+        int sources = 0;
+        for (int h = 0; h < G; ++h) {
+          const int ih = __shfl_sync(0xffffffffu, idx, h);
+          if (ih < 0) continue;
+          if (h != t.local &&
+              !wait_equal<uint32_t>(self.partial_flags + (int64_t)h * cap.fwd_chunks + ih / kChunkSlots, tag, b.wait,
+                                    kKernelCombine, kPhasePartials, t.rank_of(t.node, h))) {
+            continue;
+          }
+          const uint8_t* base = h == t.local ? self.fwd_rows : self.fwd_partials;
+          rows[sources++] = reinterpret_cast<const uint4*>(base + ((int64_t)h * cap.fwd_slots + ih) * cap.row_bytes);
+        }
+        uint4* out = reinterpret_cast<uint4*>(b.net_partials + (int64_t)s * cap.row_bytes);
+        for (int v = lane; v < a.row_vecs; v += kWarpSize) {
+          float acc[kElems] = {};
+          for (int q = 0; q < sources; ++q) accumulate<T>(acc, rows[q][v], 1.f);
+          out[v] = pack<T>(acc, 1.f);
+        }
+      }
+      __threadfence_system();
+      __syncwarp();
+      put_chunk(b, b.home_rows + (int64_t)(plan.home_off[n] + c * kChunkSlots) * cap.row_bytes,
+                b.net_partials + (int64_t)first * cap.row_bytes, (size_t)n_slots * cap.row_bytes,
+                b.home_sig + (int64_t)t.node * cap.chunks + c, tag, n);
+    }
+    __syncwarp();
+    nvshmem_quiet();  // net_partials is restaged by the next call
+  } else {
+    const int workers = (gridDim.x - network_blocks) * kCommWarps;
+    const int worker = (blockIdx.x - network_blocks) * kCommWarps + warp;
+    // Push: partition g's staged rows to forwarder g, chunk by chunk (items: g-major).
+    int chunk_base[kMaxRanksPerNode + 1];
+    chunk_base[0] = 0;
+    for (int g = 0; g < kMaxRanksPerNode; ++g) {
+      const int count = g < G && g != t.local ? a.recv_counts[g] : 0;
+      chunk_base[g + 1] = chunk_base[g] + (count + kChunkSlots - 1) / kChunkSlots;
+    }
+    const int row_stride = cap.row_bytes / 16;
+    for (int item = worker; item < chunk_base[kMaxRanksPerNode]; item += workers) {
+      int g = 0;
+      while (item >= chunk_base[g + 1]) ++g;
+      const int chunk = item - chunk_base[g];
+      const int first = chunk * kChunkSlots;
+      const int last = min(a.recv_counts[g], first + kChunkSlots);
+      for (int i = first; i < last; ++i) {
+        const int64_t slot = (int64_t)g * cap.fwd_slots + i;  // at this rank, and at g's partials from it
+        uint4* const dst[1] = {reinterpret_cast<uint4*>(b.peer[g].fwd_partials) +
+                               ((int64_t)t.local * cap.fwd_slots + i) * row_stride};
+        copy_row<1, kPushUnroll>(reinterpret_cast<const uint4*>(self.fwd_rows) + slot * row_stride, dst, a.row_vecs,
+                                 lane);
+      }
+      publish_flag(b.peer[g].partial_flags + (int64_t)t.local * cap.fwd_chunks + chunk, tag, lane);
+    }
+    // Wait: the partials of this rank's own tokens from each rank h of the node (a contiguous
+    // run of h's partition for this rank), then the chunks coming home from other nodes.
+    int wait_base[kMaxRanksPerNode + kMaxNodes + 1];
+    int run_first[kMaxRanksPerNode];
+    wait_base[0] = 0;
+    for (int h = 0; h < kMaxRanksPerNode; ++h) {
+      int chunks = 0;
+      run_first[h] = 0;
+      if (h < G && h != t.local) {
+        const int run_end = t.node + 1 < N ? plan.fwd_off[h][t.node + 1] : plan.fwd_total[h];
+        const int begin = min(plan.fwd_off[h][t.node], cap.fwd_slots);
+        const int end = min(run_end, cap.fwd_slots);
+        if (end > begin) {
+          run_first[h] = begin / kChunkSlots;
+          chunks = (end - 1) / kChunkSlots - begin / kChunkSlots + 1;
+        }
+      }
+      wait_base[h + 1] = wait_base[h] + chunks;
+    }
+    for (int m = 0; m < kMaxNodes; ++m) {
+      const int count = m < N && m != t.node ? plan.dest_count[m] : 0;
+      wait_base[kMaxRanksPerNode + m + 1] = wait_base[kMaxRanksPerNode + m] + (count + kChunkSlots - 1) / kChunkSlots;
+    }
+    for (int item = worker; item < wait_base[kMaxRanksPerNode + kMaxNodes]; item += workers) {
+      int q = 0;
+      while (item >= wait_base[q + 1]) ++q;
+      const int c = item - wait_base[q];
+      if (q < kMaxRanksPerNode) {
+        wait_equal<uint32_t>(self.partial_flags + (int64_t)q * cap.fwd_chunks + run_first[q] + c, tag, b.wait,
+                             kKernelCombine, kPhasePartials, t.rank_of(t.node, q));
+      } else {
+        const int m = q - kMaxRanksPerNode;
+        wait_equal<uint64_t>(b.home_sig + (int64_t)m * cap.chunks + c, tag, b.wait, kKernelCombine,
+                             kPhaseHomePartials, t.rank_of(m, t.local));
+      }
+    }
+  }
+
+  grid.sync();
+  if (blockIdx.x == 0 && threadIdx.x == 0) b.calls[kCombineLike] = tag;
+}
+
+void launch_combine(const Buffers& b, const CombineArgs& a, bool bf16, int num_blocks, cudaStream_t stream) {
+  void* params[] = {const_cast<Buffers*>(&b), const_cast<CombineArgs*>(&a)};
+  const void* fn = bf16 ? reinterpret_cast<const void*>(combine_kernel<__nv_bfloat16>)
+                        : reinterpret_cast<const void*>(combine_kernel<float>);
+  launch_cooperative(fn, num_blocks, b.sm_count, 0, params, stream, "combine");
+}
+
+}  // namespace moe_comm

@@ -1,0 +1,185 @@
+// Expand: the arrived rows, laid out expert-major for TorchTitan's grouped GEMM.
+//
+// A local kernel over the whole GPU, launched once the dispatch-like communication kernel saw
+// every row arrive. Each warp takes one recv slot; its row is in fwd_rows (delivered by another
+// forwarder of the node), in net_slots (arrived over the network, this rank its own forwarder)
+// or in this rank's own rows.
+//
+// Forward (dispatch): a pick's row is its expert's segment start + its run's offset + its
+// position in the run (receive_layout.cu); the row is copied there, dequantised from e4m3 when
+// the wire was FP8, and every segment's alignment padding is zeroed. Rows past the capacity are
+// not placed; the host raises, and the counts stay clamped so the grouped GEMM stays in bounds.
+// Backward (of combine), for out[t] = sum_k w[t,k] * y[row(t,k)]:
+//   grad_y[row(t,k)] = w[t,k] * grad_out[t]
+//   grad_w[t,k]      = <grad_out[t], y[row(t,k)]>, stored at the slot's forwarder (directly
+//                      when that is this rank, through NVLink with a flag otherwise), from where
+//                      comm/collect_grad_w.cu takes it home.
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+
+#include "common/copy.cuh"
+#include "common/launch.h"
+#include "common/wait.cuh"
+#include "layout/layout.h"
+#include "layout/slots.cuh"
+
+namespace moe_comm {
+
+constexpr int kSegmentsPerThread = (kMaxExperts + kLocalThreads - 1) / kLocalThreads;
+
+// Where a slot's row is: another forwarder's delivery, a network arrival this rank forwarded
+// to itself, or this rank's own token.
+__device__ __forceinline__ const uint8_t* slot_source(const Buffers& b, int g, int64_t slot, int32_t origin,
+                                                      const void* own_rows, int own_row_bytes) {
+  if (g != b.topo.local) return b.peer[b.topo.local].fwd_rows + slot * b.cap.row_bytes;
+  if (origin < 0) return b.net_slots + (int64_t)(-origin - 2) * b.cap.net_slot_bytes() + kNetMetaBytes;
+  return static_cast<const uint8_t*>(own_rows) + (int64_t)origin * own_row_bytes;
+}
+
+__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_kernel(const Buffers b, const ExpandArgs a) {
+  using BlockScan = cub::BlockScan<int, kLocalThreads>;
+  __shared__ typename BlockScan::TempStorage temp;
+  __shared__ int seg_start[kMaxExperts + 1];
+  const Topology t = b.topo;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = gridDim.x * kLocalWarps;
+  const int warp = blockIdx.x * kLocalWarps + threadIdx.x / kWarpSize;
+  const int L = a.local_experts, K = a.top_k;
+
+  // Segment starts: exclusive prefix of the padded per-expert totals.
+  int padded[kSegmentsPerThread], starts[kSegmentsPerThread];
+#pragma unroll
+  for (int j = 0; j < kSegmentsPerThread; ++j) {
+    const int e = threadIdx.x * kSegmentsPerThread + j;
+    padded[j] = e < L ? round_up(a.column_totals[e], a.align) : 0;
+  }
+  int total = 0;
+  BlockScan(temp).ExclusiveSum(padded, starts, total);
+#pragma unroll
+  for (int j = 0; j < kSegmentsPerThread; ++j) {
+    const int e = threadIdx.x * kSegmentsPerThread + j;
+    if (e < L) {
+      seg_start[e] = starts[j];
+      if (blockIdx.x == 0) {
+        a.tokens_per_expert[e] = min(padded[j], max(0, a.capacity - starts[j]));
+        a.seg_info[e] = starts[j];
+        a.seg_info[L + e] = a.column_totals[e];
+      }
+    }
+  }
+  if (threadIdx.x == 0) {
+    seg_start[L] = total;
+    if (blockIdx.x == 0 && total > a.capacity) b.wait.errors[kErrorRowsNeeded] = total;
+  }
+  __syncthreads();
+
+  uint4* out = static_cast<uint4*>(a.out);
+  for (int e = warp; e < L; e += warps) {  // alignment padding feeds the GEMM: zero it
+    const int pad_end = min(seg_start[e] + round_up(a.column_totals[e], a.align), a.capacity);
+    for (int row = seg_start[e] + a.column_totals[e]; row < pad_end; ++row) {
+      for (int v = lane; v < a.row_vecs; v += kWarpSize) out[(int64_t)row * a.row_vecs + v] = make_uint4(0, 0, 0, 0);
+    }
+  }
+
+  const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
+  const RecvMeta* metas = b.peer[t.local].fwd_meta;
+  for (int f = warp; f < slots.total(); f += warps) {
+    int g, i;
+    const int64_t slot = slots.locate(f, g, i);
+    int row = -1;
+    if (lane < K) {
+      const int pos = a.slot_rows[slot * K + lane];
+      if (pos >= 0) {
+        const int e = metas[slot].expert[lane] - t.rank * L;
+        row = seg_start[e] + a.run_counts[(int64_t)e * a.runs + f / kRunLength] + pos;
+        if (row >= a.capacity) row = -1;
+      }
+      a.slot_rows[slot * K + lane] = row;
+    }
+    uint4* dst[kMaxTopK];
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      const int rk = __shfl_sync(0xffffffffu, row, k < K ? k : 0);
+      dst[k] = (k < K && rk >= 0) ? out + (int64_t)rk * a.row_vecs : nullptr;
+    }
+    const uint8_t* src = slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
+    if (!a.fp8) {
+      copy_row(reinterpret_cast<const uint4*>(src), dst, a.row_vecs, lane);
+      continue;
+    }
+    // e4m3 payload vector u holds channels 16u..16u+15, the bf16 vectors 2u and 2u+1.
+    const uint4* payload = reinterpret_cast<const uint4*>(src);
+    const float* scales = reinterpret_cast<const float*>(src + a.hidden);
+    for (int u = lane; u < a.row_vecs / 2; u += kWarpSize) {
+      uint4 lo, hi;
+      fp8_dequantise16(payload[u], scales[u / (kFp8GroupChannels / 16)], lo, hi);
+#pragma unroll
+      for (int k = 0; k < kMaxTopK; ++k) {
+        if (dst[k] == nullptr) continue;
+        dst[k][2 * u] = lo;
+        dst[k][2 * u + 1] = hi;
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM)
+    expand_backward_kernel(const Buffers b, const ExpandArgs a) {
+  constexpr int kElems = Vec<T>::kElems;
+  const Topology t = b.topo;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = gridDim.x * kLocalWarps;
+  const int warp = blockIdx.x * kLocalWarps + threadIdx.x / kWarpSize;
+  const int K = a.top_k;
+  const uint32_t collect_tag = b.calls[kCollectGradW] + 1;  // the collect call that follows
+  const uint4* y = static_cast<const uint4*>(a.y);
+  uint4* out = static_cast<uint4*>(a.out);
+
+  const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
+  for (int f = warp; f < slots.total(); f += warps) {
+    int g, i;
+    const int64_t slot = slots.locate(f, g, i);
+    const SlotRows r = load_slot_rows(a.slot_rows, a.slot_w, slot, K, a.capacity, lane);
+    const uint4* src = reinterpret_cast<const uint4*>(
+        slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes));
+    float dots[kMaxTopK] = {};
+    for (int v = lane; v < a.row_vecs; v += kWarpSize) {
+      const uint4 grad = src[v];
+      float gf[kElems] = {};
+      accumulate<T>(gf, grad, 1.f);
+#pragma unroll
+      for (int k = 0; k < kMaxTopK; ++k) {
+        if (r.row[k] < 0) continue;
+        out[(int64_t)r.row[k] * a.row_vecs + v] = pack<T>(gf, r.weight[k]);
+        dots[k] += dot16<T>(grad, __ldg(y + (int64_t)r.row[k] * a.row_vecs + v));
+      }
+    }
+    // All K entries, zero for picks elsewhere: the forwarder adds up every rank's vector.
+    float* home = b.peer[g].fwd_grad_w + ((int64_t)t.local * b.cap.fwd_slots + i) * kMaxTopK;
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      const float dot = r.row[k] >= 0 ? warp_sum(dots[k]) : 0.f;  // r.row is warp-uniform
+      if (lane == k && k < K) home[k] = dot;
+    }
+    if (g != t.local) {
+      publish_flag(b.peer[g].grad_w_flags + (int64_t)t.local * b.cap.fwd_slots + i, collect_tag, lane);
+    }
+  }
+}
+
+void launch_expand(const Buffers& b, const ExpandArgs& a, bool bf16, bool backward, cudaStream_t stream) {
+  const int blocks = b.sm_count * kLocalBlocksPerSM;
+  if (backward) {
+    if (bf16) {
+      expand_backward_kernel<__nv_bfloat16><<<blocks, kLocalThreads, 0, stream>>>(b, a);
+    } else {
+      expand_backward_kernel<float><<<blocks, kLocalThreads, 0, stream>>>(b, a);
+    }
+  } else {
+    expand_kernel<<<blocks, kLocalThreads, 0, stream>>>(b, a);
+  }
+  MOE_COMM_CHECK_LAUNCH("expand");
+}
+
+}  // namespace moe_comm

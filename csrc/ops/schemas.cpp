@@ -1,0 +1,28 @@
+// torch.ops.moe_comm.*: every op's schema, in one place. The bodies live beside their transport
+// (runtime/ops.cpp, comm/ops.cpp); autograd and the fake (meta) kernels on the Python side
+// (moe_comm/kernels/ops.py).
+//
+// `shape` arguments carry [world, local_size, fwd_slots, net_slots] of the running buffers, so
+// the fake kernels compute every output shape from their arguments alone.
+#include <torch/library.h>
+
+TORCH_LIBRARY(moe_comm, m) {
+  m.def("runtime_unique_id() -> Tensor");
+  m.def("runtime_symmetric_bytes(int[] shape, int tokens, int send_slots, int row_bytes) -> int");
+  m.def("runtime_init(Tensor uid, int rank, int[] shape, int tokens, int send_slots, int row_bytes, "
+        "float timeout_s) -> ()");
+  m.def("runtime_errors(bool clear) -> int[]");
+  m.def("runtime_finalize() -> ()");
+  m.def(
+      "dispatch(Tensor x, Tensor topk_idx, Tensor topk_w, int num_experts, int capacity, int align, bool fp8, "
+      "int num_sms, int network_sms, int[] shape) -> (Tensor recv_x, Tensor tokens_per_expert, Tensor rank_pos, "
+      "Tensor send_idx, Tensor rail_counts, Tensor net_route, Tensor recv_info, Tensor slot_rows, Tensor slot_w, "
+      "Tensor slot_origin)");
+  m.def(
+      "combine(Tensor y, Tensor topk_w, Tensor rank_pos, Tensor send_idx, Tensor rail_counts, Tensor net_route, Tensor recv_info, "
+      "Tensor slot_rows, Tensor slot_w, Tensor slot_origin, bool weighted, int num_sms, int network_sms) -> Tensor");
+  m.def(
+      "combine_backward(Tensor grad_out, Tensor y, Tensor rank_pos, Tensor send_idx, Tensor rail_counts, "
+      "Tensor net_route, Tensor recv_info, Tensor slot_rows, Tensor slot_w, Tensor slot_origin, int num_sms, "
+      "int network_sms) -> (Tensor grad_y, Tensor grad_w)");
+}
