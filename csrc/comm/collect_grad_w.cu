@@ -18,9 +18,11 @@ namespace cg = cooperative_groups;
 
 namespace moe_comm {
 
-__global__ void __launch_bounds__(kCommThreads, 1) collect_grad_w_kernel(const Buffers b, const CollectArgs a) {
+__global__ void __launch_bounds__(kCommThreads, 1) collect_grad_w_kernel(const Buffers* __restrict__ buffers, const CollectArgs a) {
+  const Buffers& b = *buffers;
   __shared__ RailPlan plan;
   __shared__ ChunkList net_items;
+  __shared__ int base[kMaxRanksPerNode + kMaxNodes + 1];  // waiter items, built once per block
   cg::grid_group grid = cg::this_grid();
   const Topology t = b.topo;
   const Capacity cap = b.cap;
@@ -33,6 +35,17 @@ __global__ void __launch_bounds__(kCommThreads, 1) collect_grad_w_kernel(const B
   if (threadIdx.x == 0) {
     fill_rail_plan(plan, a.rail_counts, t, cap);
     net_items.build(plan.net_count, N);
+    // Waiter items: each own-token slot at each rank h of the node (one flag each; own tokens
+    // lead each partition), then the chunks coming home from each other node.
+    base[0] = 0;
+    for (int h = 0; h < kMaxRanksPerNode; ++h) {
+      const int count = h < G && h != t.local ? min(plan.fwd_own[h], cap.fwd_slots) : 0;
+      base[h + 1] = base[h] + count;
+    }
+    for (int m = 0; m < kMaxNodes; ++m) {
+      const int count = m < N && m != t.node ? plan.dest_count[m] : 0;
+      base[kMaxRanksPerNode + m + 1] = base[kMaxRanksPerNode + m] + (count + kChunkSlots - 1) / kChunkSlots;
+    }
   }
   grid.sync();
 
@@ -70,32 +83,13 @@ __global__ void __launch_bounds__(kCommThreads, 1) collect_grad_w_kernel(const B
   } else {
     const int workers = (gridDim.x - network_blocks) * kCommWarps;
     const int worker = (blockIdx.x - network_blocks) * kCommWarps + warp;
-    // Items: each own-token slot at each rank h of the node (one flag each), then the chunks
-    // coming home from each other node. Lanes take one item each.
-    int base[kMaxRanksPerNode + kMaxNodes + 1];
-    int first_slot[kMaxRanksPerNode];
-    base[0] = 0;
-    for (int h = 0; h < kMaxRanksPerNode; ++h) {
-      int count = 0;
-      first_slot[h] = 0;
-      if (h < G && h != t.local) {
-        const int run_end = t.node + 1 < N ? plan.fwd_off[h][t.node + 1] : plan.fwd_total[h];
-        first_slot[h] = min(plan.fwd_off[h][t.node], cap.fwd_slots);
-        count = max(0, min(run_end, cap.fwd_slots) - first_slot[h]);
-      }
-      base[h + 1] = base[h] + count;
-    }
-    for (int m = 0; m < kMaxNodes; ++m) {
-      const int count = m < N && m != t.node ? plan.dest_count[m] : 0;
-      base[kMaxRanksPerNode + m + 1] = base[kMaxRanksPerNode + m] + (count + kChunkSlots - 1) / kChunkSlots;
-    }
     const int total = base[kMaxRanksPerNode + kMaxNodes];
     for (int item = worker * kWarpSize + lane; item < total; item += workers * kWarpSize) {
       int q = 0;
       while (item >= base[q + 1]) ++q;
       const int c = item - base[q];
       if (q < kMaxRanksPerNode) {
-        wait_equal<uint32_t>(self.grad_w_flags + (int64_t)q * cap.fwd_slots + first_slot[q] + c, tag, b.wait,
+        wait_equal<uint32_t>(self.grad_w_flags + (int64_t)q * cap.fwd_slots + c, tag, b.wait,
                              kKernelCollectGradW, kPhaseGradW, t.rank_of(t.node, q));
       } else {
         const int m = q - kMaxRanksPerNode;
@@ -110,7 +104,8 @@ __global__ void __launch_bounds__(kCommThreads, 1) collect_grad_w_kernel(const B
 }
 
 void launch_collect_grad_w(const Buffers& b, const CollectArgs& a, int num_blocks, cudaStream_t stream) {
-  void* params[] = {const_cast<Buffers*>(&b), const_cast<CollectArgs*>(&a)};
+  const Buffers* device = b.on_device;
+  void* params[] = {&device, const_cast<CollectArgs*>(&a)};
   launch_cooperative(reinterpret_cast<const void*>(collect_grad_w_kernel), num_blocks, b.sm_count, 0, params, stream,
                      "collect_grad_w");
 }

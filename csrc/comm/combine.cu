@@ -29,10 +29,14 @@ namespace moe_comm {
 constexpr int kPushUnroll = 2 * kCopyUnroll;
 
 template <typename T>
-__global__ void __launch_bounds__(kCommThreads, 1) combine_kernel(const Buffers b, const CombineArgs a) {
+__global__ void __launch_bounds__(kCommThreads, 1) combine_kernel(const Buffers* __restrict__ buffers, const CombineArgs a) {
+  const Buffers& b = *buffers;
   constexpr int kElems = Vec<T>::kElems;
   __shared__ RailPlan plan;
   __shared__ ChunkList net_items;
+  // Pusher and waiter work lists (item bases), built once per block.
+  __shared__ int chunk_base[kMaxRanksPerNode + 1];
+  __shared__ int wait_base[kMaxRanksPerNode + kMaxNodes + 1];
   cg::grid_group grid = cg::this_grid();
   const Topology t = b.topo;
   const Capacity cap = b.cap;
@@ -45,6 +49,23 @@ __global__ void __launch_bounds__(kCommThreads, 1) combine_kernel(const Buffers 
   if (threadIdx.x == 0) {
     fill_rail_plan(plan, a.rail_counts, t, cap);
     net_items.build(plan.net_count, N);
+    // Push: partition g's staged rows to forwarder g, chunk by chunk (items: g-major).
+    chunk_base[0] = 0;
+    for (int g = 0; g < kMaxRanksPerNode; ++g) {
+      const int count = g < G && g != t.local ? a.recv_counts[g] : 0;
+      chunk_base[g + 1] = chunk_base[g] + (count + kChunkSlots - 1) / kChunkSlots;
+    }
+    // Wait: the partials of this rank's own tokens from each rank h of the node (they lead h's
+    // partition for this rank), then the chunks coming home from other nodes.
+    wait_base[0] = 0;
+    for (int h = 0; h < kMaxRanksPerNode; ++h) {
+      const int own = h < G && h != t.local ? min(plan.fwd_own[h], cap.fwd_slots) : 0;
+      wait_base[h + 1] = wait_base[h] + (own + kChunkSlots - 1) / kChunkSlots;
+    }
+    for (int m = 0; m < kMaxNodes; ++m) {
+      const int count = m < N && m != t.node ? plan.dest_count[m] : 0;
+      wait_base[kMaxRanksPerNode + m + 1] = wait_base[kMaxRanksPerNode + m] + (count + kChunkSlots - 1) / kChunkSlots;
+    }
   }
   grid.sync();
 
@@ -89,13 +110,6 @@ __global__ void __launch_bounds__(kCommThreads, 1) combine_kernel(const Buffers 
   } else {
     const int workers = (gridDim.x - network_blocks) * kCommWarps;
     const int worker = (blockIdx.x - network_blocks) * kCommWarps + warp;
-    // Push: partition g's staged rows to forwarder g, chunk by chunk (items: g-major).
-    int chunk_base[kMaxRanksPerNode + 1];
-    chunk_base[0] = 0;
-    for (int g = 0; g < kMaxRanksPerNode; ++g) {
-      const int count = g < G && g != t.local ? a.recv_counts[g] : 0;
-      chunk_base[g + 1] = chunk_base[g] + (count + kChunkSlots - 1) / kChunkSlots;
-    }
     const int row_stride = cap.row_bytes / 16;
     for (int item = worker; item < chunk_base[kMaxRanksPerNode]; item += workers) {
       int g = 0;
@@ -112,35 +126,12 @@ __global__ void __launch_bounds__(kCommThreads, 1) combine_kernel(const Buffers 
       }
       publish_flag(b.peer[g].partial_flags + (int64_t)t.local * cap.fwd_chunks + chunk, tag, lane);
     }
-    // Wait: the partials of this rank's own tokens from each rank h of the node (a contiguous
-    // run of h's partition for this rank), then the chunks coming home from other nodes.
-    int wait_base[kMaxRanksPerNode + kMaxNodes + 1];
-    int run_first[kMaxRanksPerNode];
-    wait_base[0] = 0;
-    for (int h = 0; h < kMaxRanksPerNode; ++h) {
-      int chunks = 0;
-      run_first[h] = 0;
-      if (h < G && h != t.local) {
-        const int run_end = t.node + 1 < N ? plan.fwd_off[h][t.node + 1] : plan.fwd_total[h];
-        const int begin = min(plan.fwd_off[h][t.node], cap.fwd_slots);
-        const int end = min(run_end, cap.fwd_slots);
-        if (end > begin) {
-          run_first[h] = begin / kChunkSlots;
-          chunks = (end - 1) / kChunkSlots - begin / kChunkSlots + 1;
-        }
-      }
-      wait_base[h + 1] = wait_base[h] + chunks;
-    }
-    for (int m = 0; m < kMaxNodes; ++m) {
-      const int count = m < N && m != t.node ? plan.dest_count[m] : 0;
-      wait_base[kMaxRanksPerNode + m + 1] = wait_base[kMaxRanksPerNode + m] + (count + kChunkSlots - 1) / kChunkSlots;
-    }
     for (int item = worker; item < wait_base[kMaxRanksPerNode + kMaxNodes]; item += workers) {
       int q = 0;
       while (item >= wait_base[q + 1]) ++q;
       const int c = item - wait_base[q];
       if (q < kMaxRanksPerNode) {
-        wait_equal<uint32_t>(self.partial_flags + (int64_t)q * cap.fwd_chunks + run_first[q] + c, tag, b.wait,
+        wait_equal<uint32_t>(self.partial_flags + (int64_t)q * cap.fwd_chunks + c, tag, b.wait,
                              kKernelCombine, kPhasePartials, t.rank_of(t.node, q));
       } else {
         const int m = q - kMaxRanksPerNode;
@@ -155,7 +146,8 @@ __global__ void __launch_bounds__(kCommThreads, 1) combine_kernel(const Buffers 
 }
 
 void launch_combine(const Buffers& b, const CombineArgs& a, bool bf16, int num_blocks, cudaStream_t stream) {
-  void* params[] = {const_cast<Buffers*>(&b), const_cast<CombineArgs*>(&a)};
+  const Buffers* device = b.on_device;
+  void* params[] = {&device, const_cast<CombineArgs*>(&a)};
   const void* fn = bf16 ? reinterpret_cast<const void*>(combine_kernel<__nv_bfloat16>)
                         : reinterpret_cast<const void*>(combine_kernel<float>);
   launch_cooperative(fn, num_blocks, b.sm_count, 0, params, stream, "combine");

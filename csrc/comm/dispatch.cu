@@ -28,7 +28,8 @@ namespace cg = cooperative_groups;
 
 namespace moe_comm {
 
-__global__ void __launch_bounds__(kCommThreads, 1) dispatch_kernel(const Buffers b, const DispatchArgs a) {
+__global__ void __launch_bounds__(kCommThreads, 1) dispatch_kernel(const Buffers* __restrict__ buffers, const DispatchArgs a) {
+  const Buffers& b = *buffers;
   __shared__ RailPlan plan;
   __shared__ ChunkList items;
   __shared__ int item_count[kMaxNodes];
@@ -53,7 +54,9 @@ __global__ void __launch_bounds__(kCommThreads, 1) dispatch_kernel(const Buffers
     }
     fill_rail_plan(plan, a.backward ? a.rail_counts : b.rail_counts, t, cap);
     for (int n = 0; n < N; ++n) item_count[n] = plan.net_count[n];
-    item_count[t.node] = a.num_tokens;  // this rank's own tokens: chunks of kChunkSlots tokens
+    // This rank's own tokens, in chunks of kChunkSlots tokens, for the other ranks of the node
+    // (their slots at this rank itself were written by the plan).
+    item_count[t.node] = G > 1 ? a.num_tokens : 0;
     items.build(item_count, N);
     if (blockIdx.x == 0 && plan.net_overflow > 0) {
       b.wait.errors[kErrorSlotsBuffer] = kSlotsNetwork;
@@ -106,7 +109,7 @@ __global__ void __launch_bounds__(kCommThreads, 1) dispatch_kernel(const Buffers
         if (lane < G) {
           if (a.backward && !own) {
             idx = a.net_route[s * G + lane];
-          } else {
+          } else if (!(own && lane == t.local)) {
             const int pos = own ? a.rank_pos[(int64_t)j * G + lane] : meta->rank_pos[lane];
             idx = pos >= 0 ? plan.fwd_off[lane][n] + pos : -1;
             if (idx >= cap.fwd_slots) {
@@ -171,8 +174,8 @@ __global__ void __launch_bounds__(kCommThreads, 1) dispatch_kernel(const Buffers
       const uint32_t count = *(volatile uint32_t*)(b.delivered + h);
       if (h != t.local) {
         announce_delivered(b, count, tag, h);
-      } else if (!a.backward) {
-        a.recv_counts[h] = (int32_t)count;
+      } else if (!a.backward) {  // and the own tokens' slots here, from the plan
+        a.recv_counts[h] = (int32_t)count + min(a.send_counts[t.rank], cap.fwd_slots);
       }
     }
     if (h < G && h != t.local) {
@@ -185,7 +188,8 @@ __global__ void __launch_bounds__(kCommThreads, 1) dispatch_kernel(const Buffers
 }
 
 void launch_dispatch(const Buffers& b, const DispatchArgs& a, int num_blocks, cudaStream_t stream) {
-  void* params[] = {const_cast<Buffers*>(&b), const_cast<DispatchArgs*>(&a)};
+  const Buffers* device = b.on_device;
+  void* params[] = {&device, const_cast<DispatchArgs*>(&a)};
   launch_cooperative(reinterpret_cast<const void*>(dispatch_kernel), num_blocks, b.sm_count, 0, params, stream,
                      "dispatch");
 }

@@ -103,7 +103,7 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& t
   Handle h;
   h.rank_pos = i32({T, G}, x);
   h.send_idx = i32({T, N}, x);
-  PlanArgs p{topk_idx.data_ptr<int64_t>(), (int)T, (int)K, (int)num_experts, runs, plan_counts.data_ptr<int32_t>(),
+  PlanArgs p{topk_idx.data_ptr<int64_t>(), topk_w.data_ptr<float>(), (int)T, (int)K, (int)num_experts, runs, plan_counts.data_ptr<int32_t>(),
              send_counts.data_ptr<int32_t>(), pick_pos.data_ptr<int32_t>(), h.rank_pos.data_ptr<int32_t>(),
              h.send_idx.data_ptr<int32_t>()};
   launch_plan(b, p, stream);
@@ -142,11 +142,13 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& t
   const int recv_runs = (int)((slots + kRunLength - 1) / kRunLength);
   at::Tensor layout_counts = i32({(int64_t)L * recv_runs}, x);
   at::Tensor expert_totals = i32({L}, x);
+  at::Tensor slot_pos = i32({slots, K}, x), slot_expert = i32({slots, K}, x);
   h.slot_rows = i32({slots, K}, x);
   h.slot_w = at::empty({slots, K}, x.options().dtype(at::kFloat));
   h.slot_origin = i32({slots}, x);
   ReceiveArgs r{d.recv_counts, (int)K, L, recv_runs, layout_counts.data_ptr<int32_t>(), expert_totals.data_ptr<int32_t>(),
-                h.slot_rows.data_ptr<int32_t>(), h.slot_w.data_ptr<float>(), h.slot_origin.data_ptr<int32_t>()};
+                slot_pos.data_ptr<int32_t>(), slot_expert.data_ptr<int32_t>(), h.slot_w.data_ptr<float>(),
+                h.slot_origin.data_ptr<int32_t>()};
   launch_receive_layout(b, r, stream);
 
   at::Tensor recv_x = at::empty({capacity, hidden}, x.options());
@@ -164,7 +166,9 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& t
   e.fp8 = fp8;
   e.own_rows = d.own_rows;
   e.own_row_bytes = d.wire_vecs * 16;
-  e.slot_rows = r.slot_rows;
+  e.slot_pos = r.slot_pos;
+  e.slot_expert = r.slot_expert;
+  e.slot_rows = h.slot_rows.data_ptr<int32_t>();
   e.slot_w = r.slot_w;
   e.slot_origin = r.slot_origin;
   e.tokens_per_expert = tokens_per_expert.data_ptr<int32_t>();
@@ -196,13 +200,14 @@ at::Tensor combine_op(const at::Tensor& y, const at::Tensor& topk_w, const at::T
   at::Tensor out = at::empty({T, y.size(1)}, y.options());
 
   ReduceArgs r{y.data_ptr(), recv_info.data_ptr<int32_t>(), slot_rows.data_ptr<int32_t>(),
-               weighted ? slot_w.data_ptr<float>() : nullptr, (int)K, (int)y.size(0), vecs};
+               weighted ? slot_w.data_ptr<float>() : nullptr, slot_origin.data_ptr<int32_t>(),
+               rank_pos.data_ptr<int32_t>(), send_idx.data_ptr<int32_t>(), (int)K, (int)y.size(0), vecs,
+               out.data_ptr()};
   launch_reduce(b, r, bf16, stream);
   CombineArgs c{rail_counts.data_ptr<int32_t>(), net_route.data_ptr<int32_t>(), recv_info.data_ptr<int32_t>(), vecs,
                 (int)network_sms};
   launch_combine(b, c, bf16, (int)num_sms, stream);
-  FinalizeArgs f{rank_pos.data_ptr<int32_t>(), send_idx.data_ptr<int32_t>(), rail_counts.data_ptr<int32_t>(), (int)T,
-                 (int)K, vecs, out.data_ptr()};
+  FinalizeArgs f{rank_pos.data_ptr<int32_t>(), send_idx.data_ptr<int32_t>(), (int)T, (int)K, vecs, out.data_ptr()};
   launch_finalize(b, f, bf16, stream);
   return out;
 }
@@ -264,8 +269,7 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_op(const at::Tensor& grad_ou
   launch_expand(b, e, bf16, true, stream);
   CollectArgs c{rail_counts.data_ptr<int32_t>(), net_route.data_ptr<int32_t>(), (int)K, (int)network_sms};
   launch_collect_grad_w(b, c, (int)num_sms, stream);
-  FinalizeArgs f{rank_pos.data_ptr<int32_t>(), send_idx.data_ptr<int32_t>(), rail_counts.data_ptr<int32_t>(), (int)T,
-                 (int)K, vecs, grad_w.data_ptr()};
+  FinalizeArgs f{rank_pos.data_ptr<int32_t>(), send_idx.data_ptr<int32_t>(), (int)T, (int)K, vecs, grad_w.data_ptr()};
   launch_gather_grad_w(b, f, stream);
   return {grad_y, grad_w};
 }

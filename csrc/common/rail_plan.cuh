@@ -23,9 +23,13 @@ struct RailPlan {
   int net_off[kMaxNodes];
   int net_count[kMaxNodes];
   // This rank as forwarder: recv slots of partition (this rank -> rank h of the node) from
-  // source node n start at fwd_off[h][n]; fwd_total[h] is the partition's size before capacity.
+  // source node n start at fwd_off[h][n], source nodes in order from this node on (so this
+  // rank's own tokens come first, at their plan positions: fwd_off[h][node] == 0, and the plan
+  // writes their metadata at this rank itself); fwd_total[h] is the partition's size before
+  // capacity and fwd_own[h] the own tokens' share of it.
   int fwd_off[kMaxRanksPerNode][kMaxNodes];
   int fwd_total[kMaxRanksPerNode];
+  int fwd_own[kMaxRanksPerNode];
   // This rank as source: its send slots for node m start at send_off[m]; at node m they land
   // from dest_off[m], and dest_count[m] of them fit there.
   int send_off[kMaxNodes];
@@ -55,11 +59,13 @@ __device__ __forceinline__ void fill_rail_plan(RailPlan& p, const int32_t* rail,
   if (off > cap.net_slots) p.net_overflow = off;
   for (int h = 0; h < G; ++h) {
     int f = 0;
-    for (int n = 0; n < N; ++n) {
+    for (int q = 0; q < N; ++q) {
+      const int n = (me + q) % N;
       p.fwd_off[h][n] = f;
       f += rail[n * width + N + h];
     }
     p.fwd_total[h] = f;
+    p.fwd_own[h] = rail[me * width + N + h];
   }
   int s = 0;
   for (int m = 0; m < N; ++m) {

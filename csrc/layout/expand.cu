@@ -6,8 +6,9 @@
 // or in this rank's own rows.
 //
 // Forward (dispatch): a pick's row is its expert's segment start + its run's offset + its
-// position in the run (receive_layout.cu); the row is copied there, dequantised from e4m3 when
-// the wire was FP8, and every segment's alignment padding is zeroed. Rows past the capacity are
+// position in the run (receive_layout.cu); the row is copied there with bulk (TMA) copies, or
+// dequantised from e4m3 by the warps when the wire was FP8, and every segment's alignment
+// padding is zeroed. Rows past the capacity are
 // not placed; the host raises, and the counts stay clamped so the grouped GEMM stays in bounds.
 // Backward (of combine), for out[t] = sum_k w[t,k] * y[row(t,k)]:
 //   grad_y[row(t,k)] = w[t,k] * grad_out[t]
@@ -17,6 +18,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 
+#include "common/bulk.cuh"
 #include "common/copy.cuh"
 #include "common/launch.h"
 #include "common/wait.cuh"
@@ -26,6 +28,14 @@
 namespace moe_comm {
 
 constexpr int kSegmentsPerThread = (kMaxExperts + kLocalThreads - 1) / kLocalThreads;
+// Bulk copies: each warp stages a row through shared memory in chunks of kBulkChunkBytes, two
+// buffers deep, so the next chunk lands while the last one is being stored kMaxTopK times.
+constexpr int kBulkChunkBytes = 4096;
+constexpr int kBulkWarps = kLocalThreads / 32;  // one block of kLocalThreads per SM
+struct BulkStage {
+  alignas(128) uint8_t chunk[2][kBulkChunkBytes];
+  uint64_t loaded[2];
+};
 
 // Where a slot's row is: another forwarder's delivery, a network arrival this rank forwarded
 // to itself, or this rank's own token.
@@ -36,17 +46,12 @@ __device__ __forceinline__ const uint8_t* slot_source(const Buffers& b, int g, i
   return static_cast<const uint8_t*>(own_rows) + (int64_t)origin * own_row_bytes;
 }
 
-__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_kernel(const Buffers b, const ExpandArgs a) {
+// Segment starts (exclusive prefix of the padded per-expert totals) into shared memory; block
+// 0 also writes tokens_per_expert, the segment info and the capacity error.
+__device__ __forceinline__ void segment_starts(const Buffers& b, const ExpandArgs& a, int* seg_start) {
   using BlockScan = cub::BlockScan<int, kLocalThreads>;
   __shared__ typename BlockScan::TempStorage temp;
-  __shared__ int seg_start[kMaxExperts + 1];
-  const Topology t = b.topo;
-  const int lane = threadIdx.x % kWarpSize;
-  const int warps = gridDim.x * kLocalWarps;
-  const int warp = blockIdx.x * kLocalWarps + threadIdx.x / kWarpSize;
-  const int L = a.local_experts, K = a.top_k;
-
-  // Segment starts: exclusive prefix of the padded per-expert totals.
+  const int L = a.local_experts;
   int padded[kSegmentsPerThread], starts[kSegmentsPerThread];
 #pragma unroll
   for (int j = 0; j < kSegmentsPerThread; ++j) {
@@ -72,52 +77,128 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_kerne
     if (blockIdx.x == 0 && total > a.capacity) b.wait.errors[kErrorRowsNeeded] = total;
   }
   __syncthreads();
+}
 
+// Alignment padding feeds the grouped GEMM: zero it (one warp per expert).
+__device__ __forceinline__ void zero_padding(const ExpandArgs& a, const int* seg_start, int warp, int warps, int lane) {
   uint4* out = static_cast<uint4*>(a.out);
-  for (int e = warp; e < L; e += warps) {  // alignment padding feeds the GEMM: zero it
+  for (int e = warp; e < a.local_experts; e += warps) {
     const int pad_end = min(seg_start[e] + round_up(a.column_totals[e], a.align), a.capacity);
     for (int row = seg_start[e] + a.column_totals[e]; row < pad_end; ++row) {
       for (int v = lane; v < a.row_vecs; v += kWarpSize) out[(int64_t)row * a.row_vecs + v] = make_uint4(0, 0, 0, 0);
     }
   }
+}
+
+// The expert-major rows of recv slot `f` (its pick k's row to dst[k], null where none); the
+// first part of the slot records them in slot_rows.
+__device__ __forceinline__ void slot_destinations(const ExpandArgs& a, const int* seg_start, int64_t slot, int f,
+                                                  bool record, int lane, uint4* (&dst)[kMaxTopK]) {
+  const int K = a.top_k;
+  int row = -1;
+  if (lane < K) {
+    const int pos = a.slot_pos[slot * K + lane];
+    if (pos >= 0) {
+      const int e = a.slot_expert[slot * K + lane];
+      row = seg_start[e] + a.run_counts[(int64_t)e * a.runs + f / kRunLength] + pos;
+      if (row >= a.capacity) row = -1;
+    }
+    if (record) a.slot_rows[slot * K + lane] = row;
+  }
+  uint4* out = static_cast<uint4*>(a.out);
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {
+    const int rk = __shfl_sync(0xffffffffu, row, k < K ? k : 0);
+    dst[k] = (k < K && rk >= 0) ? out + (int64_t)rk * a.row_vecs : nullptr;
+  }
+}
+
+// Rows on the wire as they are (bf16 or fp32): bulk copies through shared memory.
+__global__ void __launch_bounds__(kLocalThreads, 1) expand_bulk_kernel(const Buffers* __restrict__ buffers,
+                                                                       const ExpandArgs a) {
+  const Buffers& b = *buffers;
+  extern __shared__ uint8_t dynamic_smem[];
+  __shared__ int seg_start[kMaxExperts + 1];
+  const Topology t = b.topo;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = gridDim.x * kBulkWarps;
+  const int warp = blockIdx.x * kBulkWarps + threadIdx.x / kWarpSize;
+  BulkStage& stage = reinterpret_cast<BulkStage*>(dynamic_smem)[threadIdx.x / kWarpSize];
+  if (lane == 0) {
+    mbarrier_init(&stage.loaded[0], 1);
+    mbarrier_init(&stage.loaded[1], 1);
+  }
+  segment_starts(b, a, seg_start);
+  zero_padding(a, seg_start, warp, warps, lane);
 
   const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
-  const RecvMeta* metas = b.peer[t.local].fwd_meta;
-  for (int f = warp; f < slots.total(); f += warps) {
+  const RowSplit split(slots.total(), warps);
+  uint32_t phase[2] = {0, 0};
+  int used = 0;  // chunks this warp staged so far: buffer used % 2
+  for (int item = warp; item < slots.total() * split.parts; item += warps) {
+    const int f = item / split.parts;
     int g, i;
     const int64_t slot = slots.locate(f, g, i);
-    int row = -1;
-    if (lane < K) {
-      const int pos = a.slot_rows[slot * K + lane];
-      if (pos >= 0) {
-        const int e = metas[slot].expert[lane] - t.rank * L;
-        row = seg_start[e] + a.run_counts[(int64_t)e * a.runs + f / kRunLength] + pos;
-        if (row >= a.capacity) row = -1;
-      }
-      a.slot_rows[slot * K + lane] = row;
-    }
     uint4* dst[kMaxTopK];
-#pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k) {
-      const int rk = __shfl_sync(0xffffffffu, row, k < K ? k : 0);
-      dst[k] = (k < K && rk >= 0) ? out + (int64_t)rk * a.row_vecs : nullptr;
-    }
+    slot_destinations(a, seg_start, slot, f, item % split.parts == 0, lane, dst);
+    int begin, end;  // in 16-byte vectors
+    split.range(item % split.parts, a.row_vecs, begin, end);
     const uint8_t* src = slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
-    if (!a.fp8) {
-      copy_row(reinterpret_cast<const uint4*>(src), dst, a.row_vecs, lane);
-      continue;
+    if (lane == 0) {
+      for (int off = begin * 16; off < end * 16; off += kBulkChunkBytes) {
+        const uint32_t bytes = min(kBulkChunkBytes, end * 16 - off);
+        const int buf = used % 2;
+        if (used >= 2) bulk_wait_read<1>();  // the stores of this buffer's last chunk have read it
+        bulk_load(stage.chunk[buf], src + off, bytes, &stage.loaded[buf]);
+        mbarrier_wait(&stage.loaded[buf], phase[buf]);
+        phase[buf] ^= 1;
+#pragma unroll
+        for (int k = 0; k < kMaxTopK; ++k) {
+          if (dst[k] != nullptr) bulk_store(reinterpret_cast<uint8_t*>(dst[k]) + off, stage.chunk[buf], bytes);
+        }
+        bulk_commit();
+        ++used;
+      }
     }
-    // e4m3 payload vector u holds channels 16u..16u+15, the bf16 vectors 2u and 2u+1.
+  }
+  if (lane == 0) bulk_wait_all();
+}
+
+// FP8 wire rows: dequantised by the warps on the way (e4m3 payload vector u holds channels
+// 16u..16u+15, the bf16 vectors 2u and 2u+1).
+__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_fp8_kernel(
+    const Buffers* __restrict__ buffers, const ExpandArgs a) {
+  const Buffers& b = *buffers;
+  __shared__ int seg_start[kMaxExperts + 1];
+  const Topology t = b.topo;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = gridDim.x * kLocalWarps;
+  const int warp = blockIdx.x * kLocalWarps + threadIdx.x / kWarpSize;
+  segment_starts(b, a, seg_start);
+  zero_padding(a, seg_start, warp, warps, lane);
+
+  const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
+  const RowSplit split(slots.total(), warps);
+  const int units = a.row_vecs / 2;
+  for (int item = warp; item < slots.total() * split.parts; item += warps) {
+    const int f = item / split.parts;
+    int g, i;
+    const int64_t slot = slots.locate(f, g, i);
+    uint4* dst[kMaxTopK];
+    slot_destinations(a, seg_start, slot, f, item % split.parts == 0, lane, dst);
+    int begin, end;
+    split.range(item % split.parts, units, begin, end);
+    const uint8_t* src = slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
     const uint4* payload = reinterpret_cast<const uint4*>(src);
     const float* scales = reinterpret_cast<const float*>(src + a.hidden);
-    for (int u = lane; u < a.row_vecs / 2; u += kWarpSize) {
+    for (int u = begin + lane; u < end; u += kWarpSize) {
       uint4 lo, hi;
       fp8_dequantise16(payload[u], scales[u / (kFp8GroupChannels / 16)], lo, hi);
 #pragma unroll
       for (int k = 0; k < kMaxTopK; ++k) {
         if (dst[k] == nullptr) continue;
-        dst[k][2 * u] = lo;
-        dst[k][2 * u + 1] = hi;
+        __stcs(dst[k] + 2 * u, lo);
+        __stcs(dst[k] + 2 * u + 1, hi);
       }
     }
   }
@@ -125,7 +206,8 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_kerne
 
 template <typename T>
 __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM)
-    expand_backward_kernel(const Buffers b, const ExpandArgs a) {
+    expand_backward_kernel(const Buffers* __restrict__ buffers, const ExpandArgs a) {
+  const Buffers& b = *buffers;
   constexpr int kElems = Vec<T>::kElems;
   const Topology t = b.topo;
   const int lane = threadIdx.x % kWarpSize;
@@ -169,15 +251,19 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM)
 }
 
 void launch_expand(const Buffers& b, const ExpandArgs& a, bool bf16, bool backward, cudaStream_t stream) {
-  const int blocks = b.sm_count * kLocalBlocksPerSM;
   if (backward) {
+    const int blocks = b.sm_count * kLocalBlocksPerSM;
     if (bf16) {
-      expand_backward_kernel<__nv_bfloat16><<<blocks, kLocalThreads, 0, stream>>>(b, a);
+      expand_backward_kernel<__nv_bfloat16><<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
     } else {
-      expand_backward_kernel<float><<<blocks, kLocalThreads, 0, stream>>>(b, a);
+      expand_backward_kernel<float><<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
     }
+  } else if (a.fp8) {
+    expand_fp8_kernel<<<b.sm_count * kLocalBlocksPerSM, kLocalThreads, 0, stream>>>(b.on_device, a);
   } else {
-    expand_kernel<<<blocks, kLocalThreads, 0, stream>>>(b, a);
+    const size_t smem = kBulkWarps * sizeof(BulkStage);
+    MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(expand_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    expand_bulk_kernel<<<b.sm_count, kLocalThreads, smem, stream>>>(b.on_device, a);
   }
   MOE_COMM_CHECK_LAUNCH("expand");
 }

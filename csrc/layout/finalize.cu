@@ -1,12 +1,15 @@
 // Finalize: each of this rank's tokens gets its combined row, the partial sums from the ranks
 // of its node (pushed here by combine, or staged here by this rank's own reduce) plus the rows
 // that came home from other nodes, added in fp32 and stored once in the model dtype. A local
-// kernel over the whole GPU, after the combine kernel saw every partial arrive.
+// kernel over the whole GPU, after the combine kernel saw every partial arrive. Tokens whose
+// experts all live on this rank never left it: reduce already wrote them (stays_home).
 #include <cuda_bf16.h>
 
+#include "common/copy.cuh"
 #include "common/launch.h"
 #include "common/vec.cuh"
 #include "layout/layout.h"
+#include "layout/slots.cuh"
 
 namespace moe_comm {
 
@@ -19,10 +22,11 @@ struct TokenSources {
   int count = 0;
 };
 
-// rank_pos and send_idx of token `tok` turned into row pointers (warp-uniform). fwd_off[h] is
-// where this rank's own tokens start in its partition for rank h.
-__device__ __forceinline__ TokenSources token_sources(const Buffers& b, const FinalizeArgs& a, const int* fwd_off,
-                                                      int tok, int lane, int row_stride_bytes, const uint8_t* own_rows,
+// rank_pos and send_idx of token `tok` turned into row pointers (warp-uniform). This rank's
+// own tokens lead every partition it forwards, so the token's recv slot at rank h is its plan
+// position there.
+__device__ __forceinline__ TokenSources token_sources(const Buffers& b, const FinalizeArgs& a, int tok, int lane,
+                                                      int row_stride_bytes, const uint8_t* own_rows,
                                                       const uint8_t* pushed, const uint8_t* home, int home_stride) {
   const Topology& t = b.topo;
   const int G = t.local_size, N = t.nodes;
@@ -31,10 +35,8 @@ __device__ __forceinline__ TokenSources token_sources(const Buffers& b, const Fi
   TokenSources s;
   for (int h = 0; h < G; ++h) {
     const int p = __shfl_sync(0xffffffffu, pos, h);
-    if (p < 0) continue;
-    const int idx = fwd_off[h] + p;
-    if (idx >= b.cap.fwd_slots) continue;  // not delivered: the host raises
-    const int64_t slot = (int64_t)h * b.cap.fwd_slots + idx;
+    if (p < 0 || p >= b.cap.fwd_slots) continue;  // beyond capacity: not delivered, the host raises
+    const int64_t slot = (int64_t)h * b.cap.fwd_slots + p;
     const uint8_t* base = h == t.local ? own_rows : pushed;
     s.row[s.count++] = reinterpret_cast<const uint4*>(base + slot * row_stride_bytes);
   }
@@ -45,31 +47,25 @@ __device__ __forceinline__ TokenSources token_sources(const Buffers& b, const Fi
   return s;
 }
 
-__device__ __forceinline__ void load_own_offsets(int* fwd_off, const Buffers& b, const int32_t* rail) {
-  const Topology& t = b.topo;
-  const int N = t.nodes, G = t.local_size;
-  if (threadIdx.x < G) {
-    int off = 0;
-    for (int n = 0; n < t.node; ++n) off += rail[n * (N + G) + N + threadIdx.x];
-    fwd_off[threadIdx.x] = off;
-  }
-  __syncthreads();
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM)
-    finalize_kernel(const Buffers b, const FinalizeArgs a) {
+    finalize_kernel(const Buffers* __restrict__ buffers, const FinalizeArgs a) {
+  const Buffers& b = *buffers;
   constexpr int kElems = Vec<T>::kElems;
-  __shared__ int fwd_off[kMaxRanksPerNode];
-  load_own_offsets(fwd_off, b, a.rail_counts);
   const int lane = threadIdx.x % kWarpSize;
   const int warps = gridDim.x * kLocalWarps;
   const Peer& me = b.peer[b.topo.local];
   uint4* out = static_cast<uint4*>(a.out);
-  for (int tok = blockIdx.x * kLocalWarps + threadIdx.x / kWarpSize; tok < a.num_tokens; tok += warps) {
-    const TokenSources s = token_sources(b, a, fwd_off, tok, lane, b.cap.row_bytes, me.fwd_rows, me.fwd_partials,
-                                         b.home_rows, b.cap.row_bytes);
-    for (int v = lane; v < a.row_vecs; v += kWarpSize) {
+  const RowSplit split(a.num_tokens, warps);
+  for (int item = blockIdx.x * kLocalWarps + threadIdx.x / kWarpSize; item < a.num_tokens * split.parts;
+       item += warps) {
+    const int tok = item / split.parts;
+    if (stays_home(b.topo, a.rank_pos, a.send_idx, tok, lane)) continue;
+    const TokenSources s = token_sources(b, a, tok, lane, b.cap.row_bytes, me.fwd_rows, me.fwd_partials, b.home_rows,
+                                         b.cap.row_bytes);
+    int begin, end;
+    split.range(item % split.parts, a.row_vecs, begin, end);
+    for (int v = begin + lane; v < end; v += kWarpSize) {
       float acc[kElems] = {};
       int q = 0;
       for (; q + 1 < s.count; q += 2) {  // two sources' loads in flight together
@@ -84,21 +80,20 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM)
 }
 
 void launch_finalize(const Buffers& b, const FinalizeArgs& a, bool bf16, cudaStream_t stream) {
-  const int blocks = warp_blocks(a.num_tokens, b.sm_count);
+  const int blocks = warp_blocks((long long)a.num_tokens * kMaxRowParts, b.sm_count);
   if (blocks == 0) return;
   if (bf16) {
-    finalize_kernel<__nv_bfloat16><<<blocks, kLocalThreads, 0, stream>>>(b, a);
+    finalize_kernel<__nv_bfloat16><<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
   } else {
-    finalize_kernel<float><<<blocks, kLocalThreads, 0, stream>>>(b, a);
+    finalize_kernel<float><<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
   }
   MOE_COMM_CHECK_LAUNCH("finalize");
 }
 
 // The routing-weight gradients of this rank's tokens: every rank's vector for the token (zero
 // for the picks it does not hold) added up, from the node's ranks and from the other nodes.
-__global__ void __launch_bounds__(kLocalThreads) gather_grad_w_kernel(const Buffers b, const FinalizeArgs a) {
-  __shared__ int fwd_off[kMaxRanksPerNode];
-  load_own_offsets(fwd_off, b, a.rail_counts);
+__global__ void __launch_bounds__(kLocalThreads) gather_grad_w_kernel(const Buffers* __restrict__ buffers, const FinalizeArgs a) {
+  const Buffers& b = *buffers;
   const int lane = threadIdx.x % kWarpSize;
   const int warps = gridDim.x * kLocalWarps;
   const Peer& me = b.peer[b.topo.local];
@@ -106,7 +101,7 @@ __global__ void __launch_bounds__(kLocalThreads) gather_grad_w_kernel(const Buff
   const int stride = kMaxTopK * sizeof(float);
   float* out = static_cast<float*>(a.out);
   for (int tok = blockIdx.x * kLocalWarps + threadIdx.x / kWarpSize; tok < a.num_tokens; tok += warps) {
-    const TokenSources s = token_sources(b, a, fwd_off, tok, lane, stride, grads, grads,
+    const TokenSources s = token_sources(b, a, tok, lane, stride, grads, grads,
                                          reinterpret_cast<const uint8_t*>(b.home_grad_w), stride);
     if (lane < a.top_k) {
       float acc = 0.f;
@@ -119,7 +114,7 @@ __global__ void __launch_bounds__(kLocalThreads) gather_grad_w_kernel(const Buff
 void launch_gather_grad_w(const Buffers& b, const FinalizeArgs& a, cudaStream_t stream) {
   const int blocks = warp_blocks(a.num_tokens, b.sm_count);
   if (blocks == 0) return;
-  gather_grad_w_kernel<<<blocks, kLocalThreads, 0, stream>>>(b, a);
+  gather_grad_w_kernel<<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
   MOE_COMM_CHECK_LAUNCH("gather_grad_w");
 }
 

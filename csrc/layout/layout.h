@@ -15,11 +15,16 @@ namespace moe_comm {
 // Tokens (plan) or recv slots (receive layout) one warp counts in order: positions within a
 // run come from the warp's own counters, runs are then offset by an exclusive scan.
 constexpr int kRunLength = 32;
+// Blocks of the counting passes are small (two warps), so a few hundred runs spread over
+// every SM instead of a few.
+constexpr int kCountThreads = 64;
+constexpr int kCountWarps = kCountThreads / 32;
 
 // Plan: where each of this rank's tokens goes. Columns: [world] destination ranks (once per
 // rank a token hits), then [nodes] destination nodes (once per other node it hits).
 struct PlanArgs {
   const int64_t* topk_idx;  // [T, K]
+  const float* topk_w;      // [T, K]
   int num_tokens, top_k, num_experts, runs;
   int32_t* run_counts;      // [columns][runs]: per run, then scanned in place
   int32_t* column_totals;   // [columns]
@@ -27,6 +32,8 @@ struct PlanArgs {
                             //   pick's rank (the same for picks on one rank)
   int32_t* rank_pos;        // [T, G]: that position for each rank of this node, -1: not sent
   int32_t* send_idx;        // [T, nodes]: the token's send slot for each other node, -1: none
+  // The recv slots of this rank's own tokens at this rank itself lead its own partition at
+  // their plan positions (common/rail_plan.cuh), so assign writes their metadata directly.
 };
 
 // Scan: run_counts[c][r] -> exclusive prefix over r, and column_totals[c].
@@ -55,7 +62,8 @@ struct ReceiveArgs {
   int top_k, local_experts, runs;
   int32_t* run_counts;         // [local_experts][runs]
   int32_t* column_totals;      // [local_experts]
-  int32_t* slot_rows;          // [G * fwd_slots, K]: position within the run, -1: not here
+  int32_t* slot_pos;           // [G * fwd_slots, K]: position within the run, -1: not here
+  int32_t* slot_expert;        // [G * fwd_slots, K]: local expert of the pick
   float* slot_w;               // [G * fwd_slots, K]
   int32_t* slot_origin;        // [G * fwd_slots]: own-forwarded slots: own token t (>= 0), or
                                //   -(net slot + 2)
@@ -74,7 +82,9 @@ struct ExpandArgs {
   const void* own_rows;         // this rank's own rows: forward x (or its FP8 copy), backward grad_out
   int own_row_bytes;
   const void* y;                // backward: [capacity, hidden] the forward's expert outputs
-  int32_t* slot_rows;           // [G * fwd_slots, K]
+  const int32_t* slot_pos;      // forward: receive layout's positions
+  const int32_t* slot_expert;   // forward: receive layout's local experts
+  int32_t* slot_rows;           // [G * fwd_slots, K]: forward writes, backward reads
   const float* slot_w;
   const int32_t* slot_origin;
   int32_t* tokens_per_expert;   // forward: [local_experts], padded, clamped to capacity
@@ -84,13 +94,18 @@ struct ExpandArgs {
 };
 
 // Reduce: each recv slot's expert outputs, summed with the routing weights (1 when slot_w is
-// null: the backward of dispatch), staged in fwd_rows for the combine kernel.
+// null: the backward of dispatch), staged in fwd_rows for the combine kernel - or, for a token
+// of this rank whose experts all live here, stored as its output row straight away.
 struct ReduceArgs {
   const void* y;
   const int32_t* recv_counts;
   const int32_t* slot_rows;
   const float* slot_w;
+  const int32_t* slot_origin;
+  const int32_t* rank_pos;  // [T, G]
+  const int32_t* send_idx;  // [T, nodes]
   int top_k, capacity, row_vecs;
+  void* out;                // [T, hidden]
 };
 
 // Finalize: a token's partial sums from the ranks of its node and from the other nodes, added
@@ -98,7 +113,6 @@ struct ReduceArgs {
 struct FinalizeArgs {
   const int32_t* rank_pos;     // [T, G]
   const int32_t* send_idx;     // [T, nodes]
-  const int32_t* rail_counts;  // [nodes, nodes + G]
   int num_tokens, top_k, row_vecs;
   void* out;                   // [T, hidden] or [T, K] fp32
 };

@@ -15,7 +15,8 @@ namespace moe_comm {
 // Most send slots of one token: one per other node, and a token reaches at most top_k nodes.
 constexpr int kMaxSendsPerToken = kMaxTopK;
 
-__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) pack_kernel(const Buffers b, const PackArgs a) {
+__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) pack_kernel(const Buffers* __restrict__ buffers, const PackArgs a) {
+  const Buffers& b = *buffers;
   const Topology t = b.topo;
   const int lane = threadIdx.x % kWarpSize;
   const int warps = gridDim.x * kLocalWarps;
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) pack_kernel(
 void launch_pack(const Buffers& b, const PackArgs& a, cudaStream_t stream) {
   const int blocks = warp_blocks(a.num_tokens, b.sm_count);
   if (blocks == 0) return;
-  pack_kernel<<<blocks, kLocalThreads, 0, stream>>>(b, a);
+  pack_kernel<<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
   MOE_COMM_CHECK_LAUNCH("pack");
 }
 

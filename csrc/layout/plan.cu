@@ -1,12 +1,13 @@
 // Plan: where each of this rank's tokens goes, before anything moves.
 //
 // Two passes around a scan (layout/scan.cu), all local:
-//   count   one warp per run of kRunLength tokens, in token order: for each token, the ranks
-//           its picks live on (once per rank) and the other nodes they live on (once per node);
-//           a token's position for a rank or node is the warp's running count there;
+//   count   one warp per run of kRunLength tokens: for each token, the ranks its picks live on
+//           (once per rank) and the other nodes they live on (once per node); a token's position
+//           for a rank or node is the number of earlier tokens of the run that go there;
 //   assign  adds each run's offset, so a token's position is its index among this rank's
 //           tokens for that rank (the recv slot it gets there, counted within the source) or
-//           node (its send slot, pooled over nodes in node order).
+//           node (its send slot, pooled over nodes in node order); a token that has experts on
+//           this rank gets its recv slot's metadata here (no transfer: the row stays put).
 // Bad routing (an expert id out of range, a token picking one expert twice) raises an error
 // word; such picks go nowhere.
 #include <cuda_runtime.h>
@@ -17,54 +18,74 @@
 
 namespace moe_comm {
 
-__global__ void __launch_bounds__(kLocalThreads) plan_count_kernel(const Buffers b, const PlanArgs a) {
-  extern __shared__ int32_t smem[];
+// One warp counts a run of kRunLength tokens, one token per lane, with no ordered walk: each
+// lane sets its bit in the mask of every column (rank, other node) its token hits, and a
+// token's position in a column is the number of lower lanes whose bit is set there. Shared
+// memory holds one mask per column per warp.
+__global__ void __launch_bounds__(kCountThreads) plan_count_kernel(const Buffers* __restrict__ buffers,
+                                                                   const PlanArgs a) {
+  const Buffers& b = *buffers;
+  extern __shared__ uint32_t masks[];
   const Topology t = b.topo;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int run = blockIdx.x * kLocalWarps + warp;
+  const int run = blockIdx.x * kCountWarps + warp;
   const int W = t.world, N = t.nodes, columns = W + N;
   const int L = a.num_experts / W, K = a.top_k;
-  int32_t* hist = smem + warp * columns;
   if (run >= a.runs) return;
-  for (int c = lane; c < columns; c += kWarpSize) hist[c] = 0;
+  uint32_t* mask = masks + warp * columns;
+  for (int c = lane; c < columns; c += kWarpSize) mask[c] = 0;
   __syncwarp();
 
-  const int end = min(a.num_tokens, (run + 1) * kRunLength);
-  for (int tok = run * kRunLength; tok < end; ++tok) {
-    int expert = -1 - lane;  // distinct per lane where there is no valid pick
-    if (lane < K) {
-      const int64_t e = a.topk_idx[(int64_t)tok * K + lane];
-      if (e >= 0 && e < a.num_experts) {
-        expert = (int)e;
-      } else {
-        b.wait.errors[kErrorExpertIndex] = 1;
-      }
-    }
-    const unsigned same_expert = __match_any_sync(0xffffffffu, expert);
-    if (expert >= 0 && __popc(same_expert) > 1) {
-      b.wait.errors[kErrorDuplicateExpert] = 1;
-      if (lane != __ffs(same_expert) - 1) expert = -1 - lane;  // the first pick of it counts
-    }
-    const int dest = expert >= 0 ? expert / L : -1 - lane;
-    const unsigned same_dest = __match_any_sync(0xffffffffu, dest);
-    const int dest_leader = __ffs(same_dest) - 1;
-    int pos = 0;
-    if (dest >= 0 && lane == dest_leader) pos = hist[dest]++;
-    pos = __shfl_sync(0xffffffffu, pos, dest_leader);
-    if (lane < K) a.pick_pos[(int64_t)tok * K + lane] = dest >= 0 ? pos : -1;
-
-    const int node = dest >= 0 ? dest / t.local_size : -1;
-    const int node_key = (node >= 0 && node != t.node) ? node : -1 - lane;
-    const unsigned same_node = __match_any_sync(0xffffffffu, node_key);
-    if (lane < N) a.send_idx[(int64_t)tok * N + lane] = -1;
-    __syncwarp();
-    if (node_key >= 0 && lane == __ffs(same_node) - 1) a.send_idx[(int64_t)tok * N + node_key] = hist[W + node_key]++;
-    __syncwarp();
+  const int tok = run * kRunLength + lane;
+  const bool valid = tok < a.num_tokens;
+  const uint32_t bit = 1u << lane, lower = bit - 1;
+  int expert[kMaxTopK], dest[kMaxTopK], node[kMaxTopK];
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {
+    const int64_t e = (valid && k < K) ? a.topk_idx[(int64_t)tok * K + k] : -1;
+    const bool in_range = e >= 0 && e < a.num_experts;
+    if (valid && k < K && !in_range) b.wait.errors[kErrorExpertIndex] = 1;
+    expert[k] = in_range ? (int)e : -1;
   }
-  for (int c = lane; c < columns; c += kWarpSize) a.run_counts[(int64_t)c * a.runs + run] = hist[c];
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {
+    bool repeat = false;  // the same expert picked twice: the first pick counts
+#pragma unroll
+    for (int j = 0; j < k; ++j) repeat |= expert[k] >= 0 && expert[j] == expert[k];
+    if (repeat) b.wait.errors[kErrorDuplicateExpert] = 1;
+    dest[k] = (expert[k] >= 0 && !repeat) ? expert[k] / L : -1;
+    node[k] = dest[k] >= 0 ? dest[k] / t.local_size : -1;
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {
+    bool first_rank = dest[k] >= 0, first_node = dest[k] >= 0 && node[k] != t.node;
+#pragma unroll
+    for (int j = 0; j < k; ++j) {
+      first_rank &= dest[j] != dest[k];
+      first_node &= node[j] != node[k];
+    }
+    if (first_rank) atomicOr(mask + dest[k], bit);
+    if (first_node) atomicOr(mask + W + node[k], bit);
+  }
+  __syncwarp();
+  if (valid) {
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k < K) a.pick_pos[(int64_t)tok * K + k] = dest[k] >= 0 ? __popc(mask[dest[k]] & lower) : -1;
+    }
+    for (int m = 0; m < N; ++m) {
+      const uint32_t hit = mask[W + m];
+      a.send_idx[(int64_t)tok * N + m] = (hit & bit) ? __popc(hit & lower) : -1;
+    }
+  }
+  for (int c = lane; c < columns; c += kWarpSize) a.run_counts[(int64_t)c * a.runs + run] = __popc(mask[c]);
 }
 
-__global__ void __launch_bounds__(kLocalThreads) plan_assign_kernel(const Buffers b, const PlanArgs a) {
+// Assign: kMaxTopK threads per token, thread k for pick k (and for rank k of the node, and for
+// every kMaxTopK-th other node), so the token's loads are in flight together.
+__global__ void __launch_bounds__(kLocalThreads) plan_assign_kernel(const Buffers* __restrict__ buffers,
+                                                                    const PlanArgs a) {
+  const Buffers& b = *buffers;
   __shared__ int send_off[kMaxNodes];
   const Topology t = b.topo;
   const int W = t.world, N = t.nodes, G = t.local_size, K = a.top_k, L = a.num_experts / W;
@@ -76,23 +97,53 @@ __global__ void __launch_bounds__(kLocalThreads) plan_assign_kernel(const Buffer
     }
   }
   __syncthreads();
-  const int tok = blockIdx.x * blockDim.x + threadIdx.x;
-  if (tok >= a.num_tokens) return;
+  const int index = blockIdx.x * blockDim.x + threadIdx.x;
+  const int tok = index / kMaxTopK, k = index % kMaxTopK;
+  const int lane = threadIdx.x % kWarpSize, group = lane - k;  // the token's first lane
+  const bool valid = tok < a.num_tokens;
   const int run = tok / kRunLength;
-  int32_t* rank_pos = a.rank_pos + (int64_t)tok * G;
-  for (int h = 0; h < G; ++h) rank_pos[h] = -1;
-  for (int k = 0; k < K; ++k) {
+  int dest = -1, pos = -1;
+  if (valid && k < K) {
     const int64_t i = (int64_t)tok * K + k;
     const int local_pos = a.pick_pos[i];
-    if (local_pos < 0) continue;
-    const int dest = (int)(a.topk_idx[i] / L);
-    const int pos = local_pos + a.run_counts[(int64_t)dest * a.runs + run];
-    a.pick_pos[i] = pos;
-    if (dest / G == t.node) rank_pos[dest % G] = pos;
+    if (local_pos >= 0) {
+      dest = (int)(a.topk_idx[i] / L);
+      pos = local_pos + a.run_counts[(int64_t)dest * a.runs + run];
+      a.pick_pos[i] = pos;
+    }
   }
-  for (int m = 0; m < N; ++m) {
+  // Rank k of this node: the position of the token's pick that lives there, or -1.
+  int here = -1;
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    const int dj = __shfl_sync(0xffffffffu, dest, group + j);
+    const int pj = __shfl_sync(0xffffffffu, pos, group + j);
+    if (dj >= 0 && dj == t.rank_of(t.node, k)) here = pj;
+  }
+  const int self = __shfl_sync(0xffffffffu, here, group + t.local);  // this rank's own recv slot
+  if (!valid) return;
+  if (k < G) a.rank_pos[(int64_t)tok * G + k] = here;
+  for (int m = k; m < N; m += kMaxTopK) {
     int32_t* s = a.send_idx + (int64_t)tok * N + m;
     if (*s >= 0) *s += send_off[m] + a.run_counts[(int64_t)(W + m) * a.runs + run];
+  }
+  // The own recv slot's metadata is written here: the row stays put.
+  if (self < 0) return;
+  if (self >= b.cap.fwd_slots) {
+    if (k == 0) {
+      b.wait.errors[kErrorSlotsBuffer] = kSlotsForwarded;
+      b.wait.errors[kErrorSlotsNeeded] = a.column_totals[t.rank];
+    }
+    return;
+  }
+  RecvMeta* m = b.peer[t.local].fwd_meta + (int64_t)t.local * b.cap.fwd_slots + self;
+  if (k == 0) {
+    m->token = tok;
+    m->origin = -1;
+  }
+  if (k < K) {
+    m->expert[k] = (int32_t)a.topk_idx[(int64_t)tok * K + k];
+    m->weight[k] = a.topk_w[(int64_t)tok * K + k];
   }
 }
 
@@ -102,14 +153,16 @@ void launch_plan(const Buffers& b, const PlanArgs& a, cudaStream_t stream) {
     return;
   }
   const int columns = b.topo.world + b.topo.nodes;
-  const size_t smem = (size_t)kLocalWarps * columns * sizeof(int32_t);
+  const size_t smem = (size_t)kCountWarps * columns * sizeof(uint32_t);
   if (smem > 48 * 1024) {
     MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   }
-  plan_count_kernel<<<(a.runs + kLocalWarps - 1) / kLocalWarps, kLocalThreads, smem, stream>>>(b, a);
+  plan_count_kernel<<<(a.runs + kCountWarps - 1) / kCountWarps, kCountThreads, smem, stream>>>(b.on_device, a);
   MOE_COMM_CHECK_LAUNCH("plan_count");
   launch_scan(ScanArgs{a.run_counts, a.column_totals, a.runs, columns}, stream);
-  plan_assign_kernel<<<(a.num_tokens + kLocalThreads - 1) / kLocalThreads, kLocalThreads, 0, stream>>>(b, a);
+  const long long threads = (long long)a.num_tokens * kMaxTopK;
+  plan_assign_kernel<<<(int)((threads + kLocalThreads - 1) / kLocalThreads), kLocalThreads, 0, stream>>>(b.on_device,
+                                                                                                         a);
   MOE_COMM_CHECK_LAUNCH("plan_assign");
 }
 

@@ -1,5 +1,6 @@
 // Reduce: each recv slot's expert outputs, summed with the routing weights, staged for the
-// combine communication kernel.
+// combine communication kernel. A token of this rank whose experts all live here never left:
+// its sum is its output row, stored there at once (finalize skips it).
 //
 // A local kernel over the whole GPU. Slot (g, i) gets sum_k w_k * y[row_k] over its picks on
 // this rank, accumulated in fp32 and stored in the model dtype at fwd_rows[g][i]: the buffer
@@ -8,6 +9,7 @@
 // are 1: the backward of dispatch (a copied row's gradient is the sum of its copies').
 #include <cuda_bf16.h>
 
+#include "common/copy.cuh"
 #include "common/launch.h"
 #include "common/vec.cuh"
 #include "layout/layout.h"
@@ -37,7 +39,8 @@ __device__ __forceinline__ void add_slot(float (&acc)[Vec<T>::kElems], const Slo
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) reduce_kernel(const Buffers b, const ReduceArgs a) {
+__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) reduce_kernel(const Buffers* __restrict__ buffers, const ReduceArgs a) {
+  const Buffers& b = *buffers;
   const int lane = threadIdx.x % kWarpSize;
   const int warps = gridDim.x * kLocalWarps;
   const int warp = blockIdx.x * kLocalWarps + threadIdx.x / kWarpSize;
@@ -46,12 +49,18 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) reduce_kerne
   const int row_stride = b.cap.row_bytes / 16;
 
   const RecvSlots slots(a.recv_counts, b.topo.local_size, b.cap.fwd_slots);
-  for (int f = warp; f < slots.total(); f += warps) {
+  const RowSplit split(slots.total(), warps);
+  for (int item = warp; item < slots.total() * split.parts; item += warps) {
     int g, i;
-    const int64_t slot = slots.locate(f, g, i);
+    const int64_t slot = slots.locate(item / split.parts, g, i);
+    int begin, end;
+    split.range(item % split.parts, a.row_vecs, begin, end);
     const SlotRows r = load_slot_rows(a.slot_rows, a.slot_w, slot, a.top_k, a.capacity, lane);
-    uint4* dst = staged + slot * row_stride;
-    for (int v = lane; v < a.row_vecs; v += kWarpSize) {
+    const int token = g == b.topo.local ? a.slot_origin[slot] : -1;  // this rank's own token, or -1
+    uint4* dst = (token >= 0 && stays_home(b.topo, a.rank_pos, a.send_idx, token, lane))
+                     ? static_cast<uint4*>(a.out) + (int64_t)token * a.row_vecs
+                     : staged + slot * row_stride;
+    for (int v = begin + lane; v < end; v += kWarpSize) {
       float acc[Vec<T>::kElems] = {};
       add_slot<T>(acc, r, y, a.row_vecs, v);
       dst[v] = pack<T>(acc, 1.f);
@@ -62,9 +71,9 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) reduce_kerne
 void launch_reduce(const Buffers& b, const ReduceArgs& a, bool bf16, cudaStream_t stream) {
   const int blocks = b.sm_count * kLocalBlocksPerSM;
   if (bf16) {
-    reduce_kernel<__nv_bfloat16><<<blocks, kLocalThreads, 0, stream>>>(b, a);
+    reduce_kernel<__nv_bfloat16><<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
   } else {
-    reduce_kernel<float><<<blocks, kLocalThreads, 0, stream>>>(b, a);
+    reduce_kernel<float><<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
   }
   MOE_COMM_CHECK_LAUNCH("reduce");
 }

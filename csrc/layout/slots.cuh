@@ -6,6 +6,7 @@
 
 #include "common/limits.h"
 #include "common/vec.cuh"
+#include "runtime/buffers.h"
 
 namespace moe_comm {
 
@@ -53,6 +54,17 @@ __device__ __forceinline__ SlotRows load_slot_rows(const int32_t* slot_rows, con
     r.row[k] = (k < top_k && rk >= 0 && rk < capacity) ? rk : -1;
   }
   return r;
+}
+
+// True when every pick of this rank's token `tok` lives on this rank: it never left, so reduce
+// finishes it and finalize skips it (warp-uniform; lanes read rank_pos and send_idx).
+__device__ __forceinline__ bool stays_home(const Topology& t, const int32_t* rank_pos, const int32_t* send_idx,
+                                           int64_t tok, int lane) {
+  const int pos = lane < t.local_size ? rank_pos[tok * t.local_size + lane] : -1;
+  const int send = lane < t.nodes ? send_idx[tok * t.nodes + lane] : -1;
+  const bool here = __shfl_sync(0xffffffffu, pos, t.local) >= 0;
+  const bool elsewhere = __ballot_sync(0xffffffffu, (lane != t.local && pos >= 0) || send >= 0) != 0;
+  return here && !elsewhere;
 }
 
 }  // namespace moe_comm

@@ -82,6 +82,9 @@ struct Buffers {
   uint64_t* home_grad_w_sig = nullptr;  // [nodes][chunks]
 
   // Local to this GPU.
+  // This struct's copy in device memory, which the kernels take: indexing `peer` by a runtime
+  // rank in a kernel's parameter space would copy the whole struct to every thread's stack.
+  const Buffers* on_device = nullptr;
   uint32_t* calls = nullptr;      // [kCallKinds] calls so far of each kind (flag tags)
   uint32_t* delivered = nullptr;  // [G] recv slots this rank delivered as forwarder this call
 };

@@ -206,6 +206,10 @@ void init(const std::vector<uint8_t>& uid, const RuntimeShape& s) {
   g_host_errors = static_cast<volatile int32_t*>(host_errors);
   b.wait.errors = static_cast<int32_t*>(device_errors);
 
+  Buffers* on_device = local_alloc<Buffers>(1);
+  b.on_device = on_device;
+  MOE_COMM_CUDA_CHECK(cudaMemcpy(on_device, &b, sizeof(Buffers), cudaMemcpyHostToDevice));
+
   // Every peer must see zeroed flags before any kernel writes one.
   MOE_COMM_CUDA_CHECK(cudaDeviceSynchronize());
   nvshmem_barrier_all();

@@ -19,14 +19,9 @@ from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec
 from moe_comm.config import MoEComm
 
 INSTALL_HINT = (
-    "[moe_comm] backend = \"deepep\" needs DeepEP built from source; the `deep-ep` wheel on PyPI "
-    "is a broken snapshot. Install it into this environment with:\n"
-    "  pip install nvidia-nvshmem-cu13==3.4.5   # the NVSHMEM torch pins\n"
-    "  git clone https://github.com/deepseek-ai/DeepEP && cd DeepEP\n"
-    "  NVSHMEM_DIR=$(python -c 'import importlib.util as u; "
-    "print(u.find_spec(\"nvidia.nvshmem\").submodule_search_locations[0])') "
-    "pip install --no-build-isolation --no-deps .\n"
-    "or choose backend = \"nccl\" or \"nvshmem\"."
+    "[moe_comm] backend = \"deepep\" needs DeepEP v1.2.1 built from source (the `deep-ep` wheel on "
+    "PyPI is a broken snapshot, DeepEP's main branch the incompatible V2). Build and install it into "
+    "this environment with `python -m moe_comm build-deepep`, or choose backend = \"nccl\" or \"nvshmem\"."
 )
 
 

@@ -64,6 +64,8 @@ class Cases:
         self.first._start(torch.empty(MAX_TOKENS, MAX_HIDDEN, dtype=torch.float32, device=self.device))
         sizes = self.first.runtime.sizes
         self.G, self.N = sizes.ranks_per_node, sizes.nodes
+        # gloo (ranks sharing a GPU) takes CPU tensors, NCCL GPU ones.
+        self.collective_device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.device
 
     def config(self, factor=0.0, fp8=False):
         return MoEComm(backend="nvshmem", num_sms=NUM_SMS, max_tokens_per_rank=MAX_TOKENS, recv_capacity_factor=factor,
@@ -106,12 +108,14 @@ class Cases:
         backend.check_errors(synchronize=True)
         sent = fp8_round_trip(x.cpu()) if fp8 else x.cpu()
         xs, idxs = gather_cpu(sent), gather_cpu(idx)
-        hist = torch.bincount(idx.flatten().cpu(), minlength=num_experts).to(torch.int64)
+        hist = torch.bincount(idx.flatten().cpu(), minlength=num_experts).to(torch.int64).to(self.collective_device)
         dist.all_reduce(hist)
+        hist = hist.cpu()
 
         # The kernels lay an expert's rows out forwarder by forwarder (the source's local index),
-        # then by the source's node, each source's rows in token order.
-        sources = sorted(range(self.world), key=lambda s: (s % self.G, s // self.G))
+        # then by the source's node counted from this rank's node on, each source's rows in token order.
+        node = self.rank // self.G
+        sources = sorted(range(self.world), key=lambda s: (s % self.G, (s // self.G - node) % self.N))
         ref_rows, ref_counts = reference_layout(xs, idxs, self.rank, L, ALIGN, sources)
         counts = result.tokens_per_expert_L.cpu()
         assert torch.equal(counts, ref_counts), f"tokens_per_expert {counts.tolist()} != {ref_counts.tolist()}"
@@ -153,17 +157,16 @@ class Cases:
             return out.detach().cpu(), xx.grad.cpu(), ww.grad.cpu()
 
         out, gx, gw = run(self.backend(num_experts, top_k, hidden), self.device)
-        # The "nccl" backend's maths (TorchTitan's path) on CPU copies over the same gloo/NCCL group
-        # when the group is gloo; the pure-torch reference either way.
+        # The "nccl" backend's maths (TorchTitan's path) over the same group: on the GPUs with NCCL,
+        # on CPU copies with gloo (ranks sharing a GPU); and the pure-torch reference.
         from moe_comm.backends.nccl import NcclBackend
 
-        nccl_ref = None
-        if dist.get_backend(self.group) == "gloo":
+        if self.collective_device.type == "cpu":
             from moe_comm.titan import cpu
 
             cpu.apply()  # TorchTitan's EP permute and histc on CPU tensors
-            layer = MoELayerSpec(num_experts=num_experts, top_k=top_k, hidden=hidden)
-            nccl_ref = run(NcclBackend(layer, self.group, MoEComm(backend="nccl")), torch.device("cpu"))
+        layer = MoELayerSpec(num_experts=num_experts, top_k=top_k, hidden=hidden)
+        nccl_ref = run(NcclBackend(layer, self.group, MoEComm(backend="nccl")), self.collective_device)
         xr = x0.detach().float().cpu().requires_grad_(True)
         wr = w0.detach().cpu().clone().requires_grad_(True)
         ref = reference_forward(xr, idx.cpu(), wr, a.cpu(), b.cpu())
@@ -178,10 +181,9 @@ class Cases:
         close(out, ref.detach(), tol, "forward (vs reference)")
         close(gx, xr.grad, tol, "grad x (vs reference)")
         close(gw, wr.grad, gw_tol, "grad w (vs reference)")
-        if nccl_ref is not None:
-            close(out, nccl_ref[0], tol, "forward (vs nccl)")
-            close(gx, nccl_ref[1], tol, "grad x (vs nccl)")
-            close(gw, nccl_ref[2], gw_tol, "grad w (vs nccl)")
+        close(out, nccl_ref[0], tol, "forward (vs nccl)")
+        close(gx, nccl_ref[1], tol, "grad x (vs nccl)")
+        close(gw, nccl_ref[2], gw_tol, "grad w (vs nccl)")
 
     def many_calls(self, hidden, num_experts, top_k, calls):
         """Changing routing every call, two dispatches in a row every fifth call."""

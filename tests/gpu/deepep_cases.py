@@ -1,0 +1,159 @@
+"""GPU correctness cases for the deepep backend (TorchTitan 0.2.2's DeepEP path over DeepEP
+v1.2.1), under the same oracles as the nvshmem kernels (tests/gpu/oracles.py).
+
+DeepEP lays out an expert's rows in its own order and does not pad segments, so the layout
+oracle compares each expert's rows as a set, with exact (unpadded) counts. With more ranks than
+GPUs the ranks share GPUs under CUDA MPS over a gloo group (DeepEP exchanges its IPC handles
+through the group), as in tests/gpu/nvshmem_cases.py.
+
+Usage: torchrun --nproc_per_node N tests/gpu/deepep_cases.py REPORT.json
+"""
+
+import faulthandler
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from oracles import apply_experts, expert_params, gather_cpu, reference_forward, reference_layout, routing  # noqa: E402
+
+from moe_comm.backends.base import MoELayerSpec  # noqa: E402
+from moe_comm.backends.deepep import DeepEPBackend  # noqa: E402
+from moe_comm.config import MoEComm  # noqa: E402
+
+NUM_SMS = int(os.environ.get("MOE_COMM_TEST_NUM_SMS", "20"))
+
+
+def same_rows(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal as multisets of rows: sorted by a random projection, then compared bit for bit."""
+    if got.shape != want.shape:
+        return False
+    if got.numel() == 0:
+        return True
+    key = torch.randn(got.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    order_g = (got.double() @ key).argsort()
+    order_w = (want.double() @ key).argsort()
+    return torch.equal(got[order_g], want[order_w])
+
+
+class Cases:
+    def __init__(self):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.group = dist.group.WORLD
+        self.cpu_collectives = dist.get_backend(self.group) == "gloo"
+        self.results = {}
+
+    def backend(self, num_experts, top_k, hidden):
+        layer = MoELayerSpec(num_experts=num_experts, top_k=top_k, hidden=hidden)
+        return DeepEPBackend(layer, self.group, MoEComm(backend="deepep", num_sms=NUM_SMS))
+
+    def run(self, name, fn, *args):
+        start = time.time()
+        try:
+            fn(*args)
+            dist.barrier()
+            self.results[name] = "PASS"
+        except Exception:  # noqa: BLE001 - every failure goes to the report
+            self.results[name] = "FAIL\n" + traceback.format_exc()
+            print(f"[rank {self.rank}] {name} FAILED\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if self.rank == 0:
+            print(f"{name}: {self.results[name].splitlines()[0]} ({time.time() - start:.1f} s)", flush=True)
+
+    def layout_and_combine(self, num_tokens, hidden, num_experts, top_k, mode, seed):
+        g = torch.Generator().manual_seed(seed * 100 + self.rank)
+        x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
+        idx, w = routing(num_tokens, num_experts, top_k, mode, g, self.device, self.rank, self.world, self.world)
+        backend = self.backend(num_experts, top_k, hidden)
+        L = num_experts // self.world
+        res = backend.dispatch(x, idx, w)
+        recv = res.recv_x_RD.clone()
+        counts = res.tokens_per_expert_L.cpu()
+        out_w = backend.combine(recv, res.handle)
+        r1 = backend.dispatch(x, idx, torch.ones_like(w))
+        out1 = backend.combine(r1.recv_x_RD, r1.handle)
+        torch.cuda.synchronize()
+        xs, idxs = gather_cpu(x), gather_cpu(idx)
+        hist = torch.bincount(idx.flatten().cpu(), minlength=num_experts)
+        hist = hist.to(self.device if not self.cpu_collectives else "cpu")
+        dist.all_reduce(hist)
+        hist = hist.cpu()
+
+        _, ref_counts = reference_layout(xs, idxs, self.rank, L, 1)
+        assert torch.equal(counts.to(torch.int32), ref_counts), f"tokens_per_expert {counts.tolist()} != {ref_counts.tolist()}"
+        assert torch.equal(hist[self.rank * L:(self.rank + 1) * L].to(torch.int32), ref_counts), "counts vs histogram"
+        start = 0
+        recv_cpu = recv.cpu()
+        for e, n in enumerate(ref_counts.tolist()):
+            want = torch.cat([xx[(ii == self.rank * L + e).any(dim=1)] for xx, ii in zip(xs, idxs)])
+            assert same_rows(recv_cpu[start:start + n], want), f"expert {e}: received rows differ"
+            start += n
+        expected = x.float() * w.sum(dim=1, keepdim=True)
+        err = (out_w.float() - expected).abs().max().item()
+        assert err <= 2e-2 * max(1.0, expected.abs().max().item()), f"combine error {err}"
+        fan = (out1.float() / top_k - x.float()).abs().max().item()
+        assert fan <= 1e-2 * max(1.0, x.float().abs().max().item()), f"combine/fan-out differs from x by {fan}"
+
+    def forward_backward(self, num_tokens, hidden, num_experts, top_k, seed):
+        g = torch.Generator().manual_seed(seed * 7 + self.rank)
+        dtype = torch.bfloat16
+        x = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(self.device).requires_grad_(True)
+        idx, w0 = routing(num_tokens, num_experts, top_k, "random", g, self.device)
+        w = w0.clone().requires_grad_(True)
+        grad_out = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(self.device)
+        a, b = expert_params(num_experts, hidden, dtype, self.device, seed)
+        backend = self.backend(num_experts, top_k, hidden)
+        res = backend.dispatch(x, idx, w)
+        y = apply_experts(res.recv_x_RD, res.tokens_per_expert_L, self.rank * (num_experts // self.world), a, b)
+        out = backend.combine(y, res.handle)
+        (out.float() * grad_out.float()).sum().backward()
+        torch.cuda.synchronize()
+        xr = x.detach().float().cpu().requires_grad_(True)
+        wr = w.detach().cpu().clone().requires_grad_(True)
+        ref = reference_forward(xr, idx.cpu(), wr, a.cpu(), b.cpu())
+        (ref * grad_out.float().cpu()).sum().backward()
+        for what, got, want, tol in (("forward", out.detach().cpu(), ref.detach(), 3e-2),
+                                     ("grad x", x.grad.cpu(), xr.grad, 3e-2),
+                                     ("grad w", w.grad.cpu(), wr.grad, 5e-2)):
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= tol * max(1.0, want.float().abs().max().item()), f"{what} differs from the reference by {err}"
+
+
+def main():
+    faulthandler.enable()
+    report = sys.argv[1]
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ["WORLD_SIZE"])
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(local_rank % gpus)
+    if world <= gpus:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    c = Cases()
+    W = c.world
+    c.run("layout_random_h7168_top8", c.layout_and_combine, 512, 7168, 32 * W, 8, "random", 1)
+    c.run("layout_one_expert_h2048_top8", c.layout_and_combine, 300, 2048, 16 * W, 8, "one_expert", 2)
+    c.run("layout_zipf_h2048_top6", c.layout_and_combine, 400, 2048, 16 * W, 6, "zipf", 3)
+    c.run("layout_top1_h2048", c.layout_and_combine, 256, 2048, 8 * W, 1, "random", 4)
+    c.run("grad_h2048_top6", c.forward_backward, 256, 2048, 16 * W, 6, 5)
+    c.run("grad_h7168_top8", c.forward_backward, 256, 7168, 32 * W, 8, 6)
+    per_rank = [None] * W
+    dist.all_gather_object(per_rank, c.results)
+    merged = {name: ("PASS" if all(r[name] == "PASS" for r in per_rank)
+                     else "FAIL\n" + "\n".join(f"rank {i}: {r[name]}" for i, r in enumerate(per_rank) if r[name] != "PASS"))
+              for name in c.results}
+    if c.rank == 0:
+        with open(report, "w") as f:
+            json.dump({"world": W, "gpus": gpus, "results": merged}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
