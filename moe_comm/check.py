@@ -1,6 +1,7 @@
 """`python -m moe_comm check RECIPE.toml`: validate a recipe without starting anything, then
-print its resolved parallel layout, a per-GPU memory estimate and the per-step MoE
-dispatch/combine volume (how each is computed: moe_comm.estimate)."""
+print its resolved parallel layout, a per-GPU memory estimate (moe_comm.estimate) and, per
+backend, the scale model's MoE traffic, comm time and MFU on the recipe's cluster
+(moe_comm.scale_model)."""
 
 import argparse
 

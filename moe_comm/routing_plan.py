@@ -61,6 +61,7 @@ class RoutingPlan:
     recv_slots_W: torch.Tensor
     kept_forwarded_W: torch.Tensor  # of recv_slots_W: arrived over the network and stayed
     own_slots_W: torch.Tensor  # of recv_slots_W: the rank's own tokens with an expert here
+    slots_from_WW: torch.Tensor  # [source s, receiver d]: recv_slots_W split by the tokens' source
     expert_rows_WL: torch.Tensor  # (token, expert) picks per local expert, unpadded
     pick_rows_WW: torch.Tensor  # [s, d]: picks of s's tokens whose expert is on d (all-to-all)
     token_node_pairs: int  # distinct (token, node) pairs over all ranks
@@ -170,6 +171,7 @@ def plan(topk_idx_WTK: torch.Tensor, num_experts: int, ranks_per_node: int) -> R
     nvlink_rows_WW = torch.bincount((holder * W + d)[moves], minlength=W * W).view(W, W)
     forwarded_rows_WW = torch.bincount((holder * W + d)[moves & ~home], minlength=W * W).view(W, W)
     recv_slots_W = torch.bincount(d, minlength=W)
+    slots_from_WW = torch.bincount(s_r * W + d, minlength=W * W).view(W, W)
     kept_forwarded_W = torch.bincount(d[~moves & ~home], minlength=W)
     own_slots_W = torch.bincount(d[~moves & home], minlength=W)
 
@@ -177,7 +179,7 @@ def plan(topk_idx_WTK: torch.Tensor, num_experts: int, ranks_per_node: int) -> R
         world=W, ranks_per_node=G, num_experts=num_experts, tokens_W=torch.full((W,), T, dtype=torch.int64),
         top_k=K, network_rows_WN=network_rows_WN, nvlink_rows_WW=nvlink_rows_WW,
         forwarded_rows_WW=forwarded_rows_WW, recv_slots_W=recv_slots_W, kept_forwarded_W=kept_forwarded_W,
-        own_slots_W=own_slots_W, expert_rows_WL=expert_rows_WL, pick_rows_WW=pick_rows_WW,
+        own_slots_W=own_slots_W, slots_from_WW=slots_from_WW, expert_rows_WL=expert_rows_WL, pick_rows_WW=pick_rows_WW,
         token_node_pairs=int(pair_tn.numel()), token_rank_pairs=int(pair_tr.numel()),
     )
 

@@ -19,6 +19,7 @@ def loop_model(idx, num_experts, G):
     nvl = [[0] * W for _ in range(W)]
     fwd = [[0] * W for _ in range(W)]
     slots, kept, own = [0] * W, [0] * W, [0] * W
+    slots_from = [[0] * W for _ in range(W)]
     experts = [[0] * L for _ in range(W)]
     picks = [[0] * W for _ in range(W)]
     node_pairs = rank_pairs = 0
@@ -41,13 +42,14 @@ def loop_model(idx, num_experts, G):
                     if d // G != m:
                         continue
                     slots[d] += 1
+                    slots_from[s][d] += 1
                     if d == holder:
                         (own if m == home else kept)[d] += 1
                     else:
                         nvl[holder][d] += 1  # one row per rank hit on that node
                         if m != home:
                             fwd[holder][d] += 1
-    return dict(net=net, nvl=nvl, fwd=fwd, slots=slots, kept=kept, own=own, experts=experts,
+    return dict(net=net, nvl=nvl, fwd=fwd, slots=slots, slots_from=slots_from, kept=kept, own=own, experts=experts,
                 picks=picks, node_pairs=node_pairs, rank_pairs=rank_pairs)
 
 
@@ -66,6 +68,7 @@ def assert_matches(idx, E, G):
     assert p.nvlink_rows_WW.tolist() == ref["nvl"]
     assert p.forwarded_rows_WW.tolist() == ref["fwd"]
     assert p.recv_slots_W.tolist() == ref["slots"]
+    assert p.slots_from_WW.tolist() == ref["slots_from"]
     assert p.kept_forwarded_W.tolist() == ref["kept"]
     assert p.own_slots_W.tolist() == ref["own"]
     assert p.expert_rows_WL.tolist() == ref["experts"]
@@ -134,6 +137,7 @@ def test_hand_counted_two_nodes_of_two():
     assert p.kept_forwarded_W.tolist() == [2, 2, 2, 0]
     assert p.own_slots_W.tolist() == [1, 2, 0, 0]
     assert p.recv_slots_W.tolist() == [7, 8, 2, 2]
+    assert p.slots_from_WW.tolist() == [[1, 2, 2, 2], [2, 2, 0, 0], [2, 2, 0, 0], [2, 2, 0, 0]]
     assert p.expert_rows_WL.tolist() == [[6, 7], [7, 7], [1, 2], [1, 1]]
     assert p.padded_expert_rows_WL(8).tolist() == [[8, 8], [8, 8], [8, 8], [8, 8]]
     assert p.pick_rows_WW[0].tolist() == [1, 2, 3, 2]
