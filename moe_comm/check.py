@@ -114,6 +114,8 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     ]
     for name, p in preds.items():
         mark = "  <- this recipe" if name == ours else ""
+        if not scale_model.runnable(name, w):
+            mark += "  (refused with these converters: no expert-segment padding)"
         lines.append(
             f"  {name:<13} {p.per_step('network_rows'):>13,.0f} {p.per_step('nvlink_rows'):>13,.0f} "
             f"{p.per_step('network_bytes') / 1e9:>11,.1f} {p.per_step('nvlink_bytes') / 1e9:>10,.1f} "
