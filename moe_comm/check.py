@@ -1,6 +1,7 @@
 """`python -m moe_comm check RECIPE.toml`: validate a recipe without starting anything, then
-print its resolved parallel layout, a per-GPU memory estimate and the per-step MoE
-dispatch/combine volume (how each is computed: moe_comm.estimate)."""
+print its resolved parallel layout, a per-GPU memory estimate (moe_comm.estimate) and, per
+backend, the scale model's MoE traffic, comm time and MFU on the recipe's cluster
+(moe_comm.scale_model)."""
 
 import argparse
 
@@ -53,7 +54,6 @@ def report(r: recipe.Recipe, gpu: str) -> str:
         args, lay, t.local_batch_size, t.seq_len, c.activation_checkpoint.mode,
         microbatch=c.parallelism.pipeline_parallel_microbatch_size,
     )
-    vol = estimate.comm_volume(args, lay, t.local_batch_size, t.seq_len)
     G = estimate.GiB
     cap = GPU_MEMORY_GIB[gpu]
     verdict = "fits" if mem.total / G <= 0.9 * cap else "DOES NOT FIT (keep 10% headroom)"
@@ -68,15 +68,68 @@ def report(r: recipe.Recipe, gpu: str) -> str:
         f"backend     {c.moe_comm.backend} (num_sms {c.moe_comm.num_sms}) on {r.device}",
         f"batch       local {t.local_batch_size} x seq {t.seq_len}, AC {c.activation_checkpoint.mode}, "
         f"converters {c.model.converters or 'none'}",
-        f"memory/GPU  {mem.total / G:.1f} GiB = model states {mem.model_states / G:.1f} (16 B/param sharded) "
-        f"+ FSDP working set {mem.fsdp_working_set / G:.1f} + activations {mem.activations / G:.1f} "
-        f"+ logits {mem.logits / G:.1f}; {gpu} {'' if cap == float('inf') else f'{cap:.0f} GiB: '}{verdict}",
-        f"MoE comm    per rank per MoE layer: {vol.rows_per_layer} rows dispatched "
-        f"({vol.remote_fraction:.0%} remote; {vol.dedup_rows_per_layer:.0f} remote rows with per-rank dedup); "
-        f"per step (fwd+bwd, dispatch+combine, bf16, this rank's MoE layers): "
-        f"{vol.bytes_per_step / G:.2f} GiB remote",
+        f"memory/GPU  {mem.total / G:.1f} GiB in use at its peak ({mem.peak_at}): params + AdamW "
+        f"{mem.params_and_optimizer / G:.1f} (12 B/param sharded) + FSDP working set {mem.fsdp_working_set / G:.1f} + "
+        + (f"activations {mem.activations / G:.1f} + logits {mem.logits / G:.1f}"
+           if mem.peak_at == "end of forward" else
+           f"gradients {mem.gradients / G:.1f} + gradient reduce {mem.grad_reduce / G:.1f}")
+        + f"; reserved by the allocator ~{mem.reserved / G:.1f}; {gpu} "
+        f"{'' if cap == float('inf') else f'{cap:.0f} GiB: '}{verdict}",
     ]
+    lines += _scale_model_lines(r, gpu)
     return "\n".join(lines)
+
+
+def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
+    """Per backend: the hierarchy, rows and bytes per phase per step, comm time, step and MFU
+    from moe_comm.scale_model on this recipe's cluster, and the backend it expects to win."""
+    from moe_comm import scale_calibration, scale_model
+
+    if r.layout.ep <= 1:
+        return ["MoE comm    expert_parallel_degree 1: no dispatch/combine traffic"]
+    if gpu == "cpu":
+        return ["MoE comm    CPU recipe: the scale model prices GPU clusters (pass --gpu H200/H100/B200)"]
+    try:
+        cal = scale_calibration.calibrate()
+        w = scale_model.workload_from_recipe(r)
+        cluster = scale_model.cluster_for(gpu, r.layout.nodes, r.layout.procs_per_node, cal)
+        preds = scale_model.predict_all(w, cluster, cal)
+    except (OSError, KeyError, ValueError) as e:
+        return [f"MoE comm    scale model unavailable ({type(e).__name__}: {e}); results/h200x2 holds its inputs"]
+    st = next(iter(preds.values())).comm.stats
+    ours = r.config.moe_comm.backend + ("-fp8" if r.config.moe_comm.backend == "nvshmem"
+                                        and r.config.moe_comm.dispatch_dtype == "fp8" else "")
+    calls = next(iter(preds.values())).moe_calls_per_step
+    lines = [
+        f"MoE comm    EP {r.layout.ep} over {w.ep_nodes} node(s) x {w.ranks_per_node} rank(s); routing "
+        f"{w.routing}: {st.nodes_hit_per_token:.2f} nodes and {st.ranks_hit_per_token:.2f} ranks per token "
+        f"(per-node dedup {st.node_dedup:.2f}x, per-rank {st.rank_dedup:.2f}x); {w.tokens_per_call} tokens per "
+        f"MoE call, {calls:g} MoE layer-microbatches per step on this rank, "
+        f"{'6 transfers each (full AC re-runs the forward ones)' if w.comm_recomputed else '4 transfers each'}",
+        f"scale model {gpu}, {cluster.nodes} x {cluster.gpus_per_node}; NVLink {cluster.nvlink_copy_gbps:.0f} GB/s, "
+        f"network {cluster.network_gbps:.0f} GB/s per GPU (sources and errors: results/scale_model.md); per rank "
+        "and step:",
+        f"  {'backend':<13} {'network rows':>13} {'NVLink rows':>13} {'network GB':>11} {'NVLink GB':>10} "
+        f"{'comm s':>8} {'exposed s':>10} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}",
+    ]
+    for name, p in preds.items():
+        mark = "  <- this recipe" if name == ours else ""
+        if not scale_model.runnable(name, w):
+            mark += "  (refused with these converters: no expert-segment padding)"
+        lines.append(
+            f"  {name:<13} {p.per_step('network_rows'):>13,.0f} {p.per_step('nvlink_rows'):>13,.0f} "
+            f"{p.per_step('network_bytes') / 1e9:>11,.1f} {p.per_step('nvlink_bytes') / 1e9:>10,.1f} "
+            f"{p.terms_ms['moe comm'] / 1e3:>8.2f} {p.comm_exposed_ms / 1e3:>10.2f} {p.step_ms / 1e3:>8.2f} "
+            f"{p.tokens_per_s_per_gpu:>10,.0f} {p.mfu:>5.1f}%{mark}"
+        )
+    ok = [b for b in preds if scale_model.runnable(b, w)]
+    best = max(ok, key=lambda b: preds[b].tokens_per_s_per_gpu)
+    lines.append(
+        f"  expected fastest on this cluster: {best} ({preds[best].tokens_per_s_per_gpu:,.0f} tok/s/GPU, "
+        f"{preds[best].tokens_per_s_per_gpu / preds['nccl'].tokens_per_s_per_gpu:.2f}x nccl)"
+        + ("" if best == ours else f"; this recipe runs {ours}")
+    )
+    return lines
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""Closed-form estimates for a DeepSeek-V3 recipe: parameters, flops per token, per-GPU memory
-and per-step dispatch/combine volume. Shared by `python -m moe_comm check` and the scale model.
+"""Closed-form estimates for a DeepSeek-V3 recipe: parameters, flops per token and per-GPU
+memory. Shared by `python -m moe_comm check` and the scale model (moe_comm.scale_model prices
+the dispatch/combine traffic, from moe_comm.routing_plan's row counts).
 
 Parameters and flops follow TorchTitan's own accounting (`get_moe_model_nparams_and_flops`):
 flops/token = 6 x (active params - embedding) + 6 x layers x heads x (qk_nope + qk_rope + v) x seq,
@@ -7,20 +8,26 @@ where active params count the router, the shared experts and top_k / num_experts
 experts; tests check both against TorchTitan on a meta-device model.
 
 Memory (per GPU, bytes) is written down term by term so it can be argued with:
-  * model states: 16 bytes per parameter (fp32 params 4 + fp32 grads 4 + AdamW moments 8),
-    divided by the sharding degree. FSDP shards the dense part over dp_shard x cp and TP over
-    tp; the routed experts over ep x efsdp (= dp_shard x cp x tp, the same total); PP keeps
-    1/pp of the layers per rank. HSDP's dp_replicate does not shard.
-  * FSDP working set: the bf16 parameters of the two largest transformer blocks unsharded at
-    once (current + prefetched), divided by tp.
+  * fp32 params and AdamW moments, 12 bytes per parameter, and fp32 gradients, 4 more, divided
+    by the sharding degree. FSDP shards the dense part over dp_shard x cp and TP over tp; the
+    routed experts over ep x efsdp (= dp_shard x cp x tp, the same total); PP keeps 1/pp of the
+    layers per rank. HSDP's dp_replicate does not shard.
+  * FSDP working set: the bf16 parameters of two units unsharded at once (current + prefetched);
+    with EP a unit holds its block's dense part whole and 1/ep of its routed experts, over tp.
+    The largest unit's unsharded gradients (bf16, and the fp32 copy reduce-scattered) exist
+    transiently in the backward pass.
   * activations, per token per layer, in bf16 (2 bytes) unless noted; see `_act_bytes_per_token`.
     No AC keeps every layer's activations; "selective" keeps about half (TorchTitan's op SAC
     keeps matmul and attention outputs); "full" keeps each layer's input (dim x 2 bytes) plus
     one layer recomputed at a time. With PP, 1F1B keeps min(microbatches, pp) microbatches in
     flight on the first stage. The logits (tokens x vocab, fp32 for the loss, plus the bf16
     output) sit on the last stage.
-Check the estimate against measured points (NOTES §1): 16B on 2 H200s at batch 1 x 4096 with
-full AC measured 127 GB; the 671B-shaped layers at 4 x 4096 without AC measured 137 GB.
+  * activations and gradients never peak together (`MemoryEstimate`): the peak in use is the
+    end of the forward pass or the end of the backward pass, whichever is larger, and the
+    caching allocator reserves more than that (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM).
+Checked against the 2xH200 runs in results/h200x2 (results/scale_model.md, memory rows): the
+peak in use within 3% for the bf16 runs (16B at 1 x 4096 full AC: 119.5 GiB in use, 127.5
+reserved; the 671B-shaped layers at 4 x 4096 without AC: 102.9 in use, 137.4 reserved).
 """
 
 import math
@@ -117,16 +124,56 @@ def _act_bytes_per_token(a, moe_layer: bool) -> float:
     return 2 * (attn + moe) + 4 * m.num_experts
 
 
+# The caching allocator keeps what it freed: torch's max_reserved exceeds the peak in use by
+# about this many bytes per parameter of the output projection (vocab x dim / tp). Fitted by
+# moe_comm.scale_validation.fit_allocator_cache over the 2xH200 memory figures of
+# results/scale_model_validation.json (10 runs: the 671B-shaped layers bf16 and float8, 16B);
+# tests/test_scale_model.py fails if the fit moves away from it. Vocabulary-sized buffers
+# (logits in fp32 and bf16 and their gradients, the unsharded embedding and output and their
+# fp32 gradients) are a step's largest transient blocks and leave the cache fragmented; the
+# term is an empirical fit, not a mechanism.
+ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM = 41.0
+
+
 @dataclass
 class MemoryEstimate:
-    model_states: float
-    fsdp_working_set: float
+    """Per-GPU bytes at the two moments a step peaks, and what the allocator keeps beyond that.
+
+    At the end of the forward pass every activation is alive but no gradient exists yet
+    (TorchTitan zeroes gradients to None); by the end of the backward pass the activations are
+    gone and the sharded gradients all exist. Between the two the sum moves linearly, so the
+    peak in use is the larger end (both measured on 2xH200: the 671B-shaped layers without AC
+    peak at the first, 16B with full AC at the second)."""
+
+    params_and_optimizer: float  # fp32 params + AdamW moments, 12 B/param, sharded
+    gradients: float  # fp32 sharded gradients, 4 B/param
+    fsdp_working_set: float  # two units' bf16 params unsharded (current + prefetched)
+    grad_reduce: float  # the largest unit's unsharded gradients: bf16 + the fp32 reduce copy
     activations: float
     logits: float
+    allocator_cache: float  # reserved beyond the peak in use (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM)
+
+    @property
+    def forward_end(self) -> float:
+        return self.params_and_optimizer + self.fsdp_working_set + self.activations + self.logits
+
+    @property
+    def backward_end(self) -> float:
+        return self.params_and_optimizer + self.gradients + self.fsdp_working_set + self.grad_reduce
 
     @property
     def total(self) -> float:
-        return self.model_states + self.fsdp_working_set + self.activations + self.logits
+        """The peak in use (torch.cuda max_allocated / TorchTitan's memory/max_active)."""
+        return max(self.forward_end, self.backward_end)
+
+    @property
+    def peak_at(self) -> str:
+        return "end of forward" if self.forward_end >= self.backward_end else "end of backward"
+
+    @property
+    def reserved(self) -> float:
+        """What torch's caching allocator reserves (TorchTitan's memory/max_reserved)."""
+        return self.total + self.allocator_cache
 
 
 def memory_per_gpu(
@@ -134,12 +181,16 @@ def memory_per_gpu(
 ) -> MemoryEstimate:
     p = count_params(a)
     shard = layout.dp_shard * layout.cp * layout.tp * layout.pp
-    model_states = 16 * p.total / shard
-    fsdp_working_set = 2 * 2 * p.per_block_max / layout.tp / (layout.ep if layout.ep > 1 else 1)
-    # with EP the routed experts of a block are already split over ep; count the dense part whole
-    if layout.ep > 1:
-        dense_part = p.per_block_max - 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim
-        fsdp_working_set = 2 * 2 * (dense_part + (p.per_block_max - dense_part) / layout.ep) / layout.tp
+    routed_per_block = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim
+    # a block's share on this rank: the routed experts split over ep, the rest whole (FSDP
+    # all-gathers it), both over tp
+    if p.per_block_max > routed_per_block and a.n_layers > a.n_dense_layers:
+        dense_part = p.per_block_max - routed_per_block
+        unit = (dense_part + routed_per_block / max(layout.ep, 1)) / layout.tp
+    else:
+        unit = p.per_block_max / layout.tp
+    fsdp_working_set = 2 * 2 * unit
+    grad_reduce = (2 + 4) * unit
 
     layers_per_stage = math.ceil(a.n_layers / layout.pp)
     n_moe = a.n_layers - a.n_dense_layers
@@ -159,33 +210,9 @@ def memory_per_gpu(
     else:
         activations = tokens * layers_per_stage * per_token_layer
     logits = tokens_one_mb * a.vocab_size * (4 + 2) / (layout.tp * layout.cp)
-    return MemoryEstimate(model_states, fsdp_working_set, activations, logits)
-
-
-@dataclass
-class CommVolume:
-    rows_per_layer: int  # (token, expert) rows one rank sends per MoE layer, forward dispatch
-    remote_fraction: float  # share of them going to other EP ranks (uniform routing)
-    dedup_rows_per_layer: float  # rows if each token goes once to each rank it needs
-    bytes_per_step: float  # dispatch + combine, forward + backward, all MoE layers, one rank
-
-
-def comm_volume(a, layout: Layout, local_batch: int, seq_len: int, bytes_per_elem: int = 2) -> CommVolume:
-    """Per-rank MoE traffic per training step under uniform routing.
-
-    Forward: dispatch sends tokens x top_k rows of dim elements, combine brings as many back;
-    backward repeats both in the other direction, so a step moves 4 x rows x dim x bytes per
-    MoE layer of which (ep-1)/ep crosses to other ranks. A per-rank dedup (DeepEP, ours) sends
-    a token once per rank that holds any of its experts: 1 - C(E - E/ep, K) / C(E, K) per rank.
-    With PP only this rank's stage's MoE layers count."""
-    m = a.moe_args
-    tokens = local_batch * seq_len // (layout.cp * layout.tp)
-    rows = tokens * m.top_k
-    ep = max(layout.ep, 1)
-    remote = (ep - 1) / ep
-    per_rank = m.num_experts // ep
-    p_rank = 1 - math.comb(m.num_experts - per_rank, m.top_k) / math.comb(m.num_experts, m.top_k)
-    dedup = tokens * p_rank * (ep - 1)
-    moe_layers = math.ceil((a.n_layers - a.n_dense_layers) / layout.pp)
-    bytes_per_step = 4 * rows * remote * a.dim * bytes_per_elem * moe_layers
-    return CommVolume(rows, remote, dedup, bytes_per_step)
+    cache = ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM * a.vocab_size * a.dim / layout.tp
+    return MemoryEstimate(
+        params_and_optimizer=12 * p.total / shard, gradients=4 * p.total / shard,
+        fsdp_working_set=fsdp_working_set, grad_reduce=grad_reduce, activations=activations,
+        logits=logits, allocator_cache=cache,
+    )

@@ -46,22 +46,41 @@ def test_671b_headline_numbers():
     assert p.flops_per_token(args, SEQ) == pytest.approx(281e9, rel=0.01)
 
 
+def test_memory_peaks_hand_counted():
+    """Forward end = 12 B/param + working set + activations + logits; backward end = 16 B/param
+    + working set + the largest unit's unsharded gradients (bf16 + fp32); the peak is the larger."""
+    args = deepseekv3_args["debugmodel"]
+    lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
+    p = estimate.count_params(args)
+    mem = estimate.memory_per_gpu(args, lay, 2, 256, "none")
+    assert mem.params_and_optimizer == 12 * p.total / 2 and mem.gradients == 4 * p.total / 2
+    assert mem.grad_reduce == pytest.approx(mem.fsdp_working_set / 4 * 6)  # 6 B vs 2 x 2 B per unit param
+    assert mem.forward_end == pytest.approx(mem.params_and_optimizer + mem.fsdp_working_set + mem.activations + mem.logits)
+    assert mem.total == max(mem.forward_end, mem.backward_end)
+    assert mem.reserved == pytest.approx(mem.total + estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM
+                                         * args.vocab_size * args.dim)
+    # more tokens move the peak to the end of the forward pass
+    big = estimate.memory_per_gpu(args, lay, 64, 2048, "none")
+    assert big.peak_at == "end of forward" and big.total == big.forward_end
+
+
 def test_memory_estimate_is_close_to_measured_16b():
-    # NOTES §1: 16B, FSDP 2, EP 2, 1 x 4096, full AC measured 127 GB per H200
+    # results/h200x2: 16B, FSDP 2, EP 2, 1 x 4096, full AC: 119.5 GiB in use, 127.5 reserved
     lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
     mem = estimate.memory_per_gpu(deepseekv3_args["16B"], lay, 1, SEQ, "full")
-    assert 110e9 < mem.total < 145e9
+    assert mem.peak_at == "end of backward"
+    assert mem.total / estimate.GiB == pytest.approx(119.5, rel=0.03)
+    assert mem.reserved / estimate.GiB == pytest.approx(127.5, rel=0.03)
 
 
-def test_comm_volume_counts():
+def test_memory_estimate_is_close_to_measured_671b_layers():
+    # results/h200x2: 4 x 4096 without AC: 102.9 GiB in use (137.4 reserved, capped by the device)
+    flavors.register()
     lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
-    args = deepseekv3_args["debugmodel"]
-    vol = estimate.comm_volume(args, lay, 2, 256)
-    assert vol.rows_per_layer == 2 * 256 * args.moe_args.top_k
-    assert vol.remote_fraction == 0.5
-    assert 0 < vol.dedup_rows_per_layer < vol.rows_per_layer * vol.remote_fraction
-    moe_layers = args.n_layers - args.n_dense_layers
-    assert vol.bytes_per_step == 4 * vol.rows_per_layer * 0.5 * args.dim * 2 * moe_layers
+    mem = estimate.memory_per_gpu(deepseekv3_args["671B_layers"], lay, 4, SEQ, "none")
+    assert mem.peak_at == "end of forward"
+    assert mem.total / estimate.GiB == pytest.approx(102.9, rel=0.03)
+    assert mem.reserved / estimate.GiB == pytest.approx(137.4, rel=0.03)
 
 
 def test_check_cli_on_flagship(capsys, monkeypatch):
@@ -71,6 +90,12 @@ def test_check_cli_on_flagship(capsys, monkeypatch):
     assert "671.03B params, 37.55B active, 281.2 GFLOP/token" in out
     assert "world 256 = 32 node(s) x 8" in out and "pp 8, ep 32" in out
     assert "memory/GPU" in out and "fits" in out and "MoE comm" in out
+    # per backend: the hierarchy, rows and bytes per phase per step, comm time, MFU, the winner
+    assert "EP 32 over 4 node(s) x 8 rank(s)" in out and "routing node_limited" in out
+    for backend in ("nccl", "deepep", "nvshmem", "nvshmem-fp8"):
+        assert f"\n  {backend} " in out
+    assert "network rows" in out and "NVLink GB" in out and "MFU" in out
+    assert "<- this recipe" in out and "expected fastest on this cluster:" in out
 
 
 def test_check_cli_reports_errors(capsys, monkeypatch):

@@ -1,0 +1,220 @@
+"""The scale model on hand-computed layouts (made-up constants, so every number below can be
+redone on paper), and its calibration against the measured 2xH200 figures."""
+
+from dataclasses import replace
+
+import pytest
+from torchtitan.models.moe import MoEArgs
+
+from moe_comm import estimate, scale_calibration, scale_model, scale_validation
+from moe_comm.scale_calibration import Calibration, OpCost
+from moe_comm.scale_model import Cluster, GPUSpec, Workload
+
+META = 4 + 12 * 8 + 4  # SlotMeta (token, 8 x (id, rank in expert, weight)) + its flag
+
+
+def hand_calibration() -> Calibration:
+    return Calibration(
+        p2p_gbps=400.0, nvlink_copy_efficiency=1.0, kernel_floor_us=10.0,
+        ops={"dispatch": OpCost(0.5, 1.0), "combine": OpCost(0.25, 2.0)},
+        deepep_ops={"dispatch": OpCost(0.5, 3.0), "combine": OpCost(0.25, 4.0)},
+        expand=(0.001, 0.002), reduce=(0.003, 0.004), layout_hbm_efficiency=0.5,
+        nccl_call_us=1000.0, nccl_row_us=0.02, nccl_backward_row_us=0.04,
+        gemm_efficiency=0.5, attention_efficiency=0.25, memory_bytes_factor=2.0, idle_ratio=0.1,
+    )
+
+
+@pytest.fixture
+def two_by_two():
+    """W = 4 ranks on 2 nodes of 2, 8 experts (2 per rank), top-2, hidden 1024, 1024 tokens per
+    rank, balanced (round-robin) routing: token t picks experts 2t, 2t+1 (mod 8), both on rank
+    t % 4, so every token hits exactly one rank; for any source, half its tokens go to the other
+    node. NVLink copy rate 400 GB/s, a 50 GB/s NIC."""
+    gpu = GPUSpec("H200", 1000.0, 2000.0, 4.8, 132, 400.0)
+    cluster = Cluster(gpu, nodes=2, gpus_per_node=2, nvlink_copy_gbps=400.0, nic_gbps=50.0)
+    args = scale_model.MoEShape(1024, MoEArgs(num_experts=8, top_k=2))
+    lay = estimate.Layout(4, 2, 2, 1, 4, 1, 1, 1, 4, 1)
+    w = Workload("hand", args, lay, 1, 1024, 1, "none", (), "balanced", num_sms=16)
+    return w, cluster
+
+
+def test_hierarchical_transfer_by_hand(two_by_two):
+    w, cluster = two_by_two
+    comm = scale_model.layer_comm("nvshmem", w, cluster, hand_calibration())
+    d = comm.transfers[0]
+    rb = 1024 * 2 + META
+    # network: 1 row per token to the other node = 512 out; a forwarder receives 512
+    # NVLink: 256 own tokens to the node's other rank + 256 forwarded (of the 512 arriving,
+    # half are for the forwarder itself) = 512 out, 512 in
+    assert (d.network_rows, d.nvlink_rows, d.row_bytes) == (512, 512, rb)
+    assert d.fixed_us == pytest.approx(10 + 1.0 * (1024 + 512) / 16)  # floor + per token-SM
+    # half of the 16 SMs drive NVLink: min(400, 35.5 x 8) GB/s x link efficiency 0.5
+    assert d.nvlink_us == pytest.approx(512 * rb / (0.5 * 35.5 * 8 * 1e3))
+    assert d.network_us == pytest.approx(512 * rb / (50 * 0.86 * 1e3))
+    # expand: floor + 0.001 us per expert row (1024 x 2) + 0.002 per slot (1024), at hidden
+    # 1024 instead of 7168 on the same HBM
+    assert d.layout_us == pytest.approx((10 + 0.001 * 2048 + 0.002 * 1024) * 1024 / 7168)
+    assert d.time_us == pytest.approx(d.fixed_us + d.network_us + d.layout_us)  # network-bound
+    c = comm.transfers[1]
+    assert c.fixed_us == pytest.approx(10 + 2.0 * 1536 / 16)
+    assert c.layout_us == pytest.approx((10 + 0.003 * 2048 + 0.004 * 1024) * 1024 / 7168)
+    # four transfers, each once without AC; the backward ones are priced as their mirrors
+    assert [t.name for t in comm.transfers] == ["dispatch", "combine", "combine backward", "dispatch backward"]
+    assert comm.transfers[2].time_us == pytest.approx(d.time_us)
+    assert comm.time_us == pytest.approx(2 * (d.time_us + c.time_us))
+    # full AC runs both forward transfers again
+    full = scale_model.layer_comm("nvshmem", replace(w, ac_mode="full"), cluster, hand_calibration())
+    assert full.time_us == pytest.approx(3 * d.time_us + 3 * c.time_us)
+
+
+def test_fp8_dispatch_halves_the_forward_dispatch_bytes_only(two_by_two):
+    w, cluster = two_by_two
+    comm = scale_model.layer_comm("nvshmem-fp8", w, cluster, hand_calibration())
+    assert comm.transfers[0].row_bytes == 1024 + 1024 / 128 * 4 + META
+    assert {t.row_bytes for t in comm.transfers[1:]} == {1024 * 2 + META}
+
+
+def test_all_to_all_transfer_by_hand(two_by_two):
+    w, cluster = two_by_two
+    comm = scale_model.layer_comm("nccl", w, cluster, hand_calibration())
+    d = comm.transfers[0]
+    # one row per pick, no dedup: 2 picks x 512 remote tokens over the network, 2 x 256 to the
+    # node's other rank over NVLink; no slot metadata
+    assert (d.network_rows, d.nvlink_rows, d.row_bytes) == (1024, 512, 2048)
+    assert d.nvlink_us == pytest.approx(512 * 2048 / (290 * 1e3))  # NCCL's rate, same NVLink
+    assert d.network_us == pytest.approx(1024 * 2048 / (43 * 1e3))
+    assert d.host_us == 1000.0 and comm.transfers[1].host_us == 0.0  # one host round trip per layer
+    assert d.layout_us == pytest.approx(0.02 / 2 * 2048 * 1024 / 7168)
+    assert comm.transfers[3].layout_us == pytest.approx(0.04 / 2 * 2048 * 1024 / 7168)
+
+
+def test_intranode_has_no_network_phase(two_by_two):
+    w, cluster = two_by_two
+    one_node = replace(w, layout=estimate.Layout(4, 1, 4, 1, 4, 1, 1, 1, 4, 1))
+    d = scale_model.layer_comm("nvshmem", one_node, replace(cluster, nodes=1, gpus_per_node=4), hand_calibration()).transfers[0]
+    # 3 of 4 tokens go to another rank, one row each; all 16 SMs drive NVLink
+    assert d.network_rows == 0 and d.nvlink_rows == 768
+    assert d.fixed_us == pytest.approx(10 + 1024 / 16)
+    assert d.nvlink_us == pytest.approx(768 * (2048 + META) / (0.5 * 400 * 1e3))
+
+
+def test_virtual_nodes_split_one_machine(two_by_two):
+    w, _ = two_by_two
+    v = replace(w, layout=estimate.Layout(4, 1, 4, 1, 4, 1, 1, 1, 4, 1), virtual_node_size=2)
+    assert (v.ranks_per_node, v.ep_nodes) == (2, 2)
+
+
+def test_step_terms_by_hand():
+    """One node of 2 H200-like GPUs, the 16B flavor at 1 x 4096 without AC: compute terms are
+    flops or bytes over the rates, idle a share of the busy time, tokens/s and MFU follow."""
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    a = deepseekv3_args["16B"]
+    cal = hand_calibration()
+    gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
+    cluster = Cluster(gpu, 1, 2, 400.0, 50.0)
+    lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
+    w = Workload("16B", a, lay, 1, 4096, 1, "none", (), "random", num_sms=20)
+    p = scale_model.predict("nvshmem", w, cluster, cal)
+    T = 4096
+    assert p.terms_ms["gemm"] == pytest.approx(T * scale_model.matmul_flops_per_token(a) / (1000e12 * 0.5) * 1e3)
+    assert p.terms_ms["attention"] == pytest.approx(
+        T * 0.5 * 6 * a.n_layers * a.n_heads * 320 * 4096 / (1000e12 * 0.25) * 1e3)
+    assert p.terms_ms["memory-bound"] == pytest.approx(
+        T * 2.0 * scale_model.memory_bound_bytes_per_token(a) / 4.0e12 * 1e3)
+    assert p.terms_ms["optimizer"] == pytest.approx(32 * estimate.count_params(a).total / 2 / (0.5 * 4.0e12) * 1e3)
+    assert p.terms_ms["moe comm"] == pytest.approx(p.comm.time_us * (a.n_layers - a.n_dense_layers) / 1e3)
+    busy = sum(v for k, v in p.terms_ms.items() if k != "idle")
+    assert p.terms_ms["idle"] == pytest.approx(0.1 * busy)
+    assert p.step_ms == pytest.approx(1.1 * busy)
+    assert p.tokens_per_s_per_gpu == pytest.approx(T / (p.step_ms / 1e3))
+    flops = estimate.count_params(a).flops_per_token(a, 4096)
+    assert p.mfu == pytest.approx(100 * flops * p.tokens_per_s_per_gpu / 1000e12)
+    assert p.terms_ms["pp bubble"] == 0 and p.terms_ms["tp comm"] == 0
+
+
+def test_pipeline_bubble_and_microbatches():
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    a = deepseekv3_args["16B"]
+    gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
+    lay = estimate.Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
+    w = Workload("16B", a, lay, 8, 4096, 1, "full", (), "random", num_sms=20)
+    p = scale_model.predict("nvshmem", w, Cluster(gpu, 2, 8, 400.0, 50.0), hand_calibration())
+    assert w.microbatches == 8 and w.tokens_per_call == 4096
+    per_micro = sum(p.terms_ms[k] for k in ("gemm", "attention", "memory-bound", "moe comm", "tp comm", "pp p2p")) / 8
+    assert p.terms_ms["pp bubble"] == pytest.approx(3 * per_micro)  # (pp - 1) microbatch-stages, 1F1B
+    assert p.moe_calls_per_step == pytest.approx((a.n_layers - a.n_dense_layers) / 4 * 8)
+    assert p.per_step("network_rows") == pytest.approx(p.comm.total("network_rows") * p.moe_calls_per_step)
+
+
+def test_bad_backend_and_gpu():
+    with pytest.raises(ValueError, match="backend 'ucx'"):
+        scale_model.layer_comm("ucx", None, None, None)
+    with pytest.raises(ValueError, match="GPU 'A100'"):
+        scale_model.gpu_spec("A100")
+
+
+# --- against the measurements ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def validated():
+    cal = scale_calibration.calibrate()
+    return cal, {r.id: r for r in scale_validation.validate(cal)}
+
+
+def test_every_figure_resolves_and_the_table_is_data(validated):
+    _, rows = validated
+    figures = scale_validation.load_figures()
+    assert len(rows) == len(figures) and len({f["id"] for f in figures}) == len(figures)
+    assert {r.kind for r in rows.values()} == {"comm_bench", "training", "memory", "anchor"}
+    assert all(r.use in ("held out", "calibration") or r.use.startswith("calibration (") for r in rows.values())
+
+
+def test_comm_bench_held_out_within_6_percent(validated):
+    _, rows = validated
+    held = [r for r in rows.values() if r.kind == "comm_bench" and r.use == "held out"]
+    assert len(held) == 8
+    assert max(abs(r.error_pct) for r in held) < 6.0
+
+
+def test_671b_layers_nvshmem_training_within_6_percent(validated):
+    _, rows = validated
+    runs = [r for r in rows.values() if r.kind == "training" and "671b_layers_h200x2-nvshmem" in r.id]
+    assert len(runs) >= 9
+    assert max(abs(r.error_pct) for r in runs) < 6.0
+    # without memory pressure (2 x 4096, 4 x 2048) the nccl path too
+    light = [r for r in rows.values() if r.kind == "training" and ("nccl-b2-s4096" in r.id or "nccl-b4-s2048" in r.id)]
+    assert light and max(abs(r.error_pct) for r in light) < 3.0
+
+
+def test_memory_within_3_percent_for_bf16_runs(validated):
+    _, rows = validated
+    bf16 = [r for r in rows.values() if r.kind == "memory" and "float8" not in r.id]
+    assert len(bf16) == 16
+    assert max(abs(r.error_pct) for r in bf16) < 3.0
+
+
+def test_allocator_cache_constant_matches_its_fit():
+    assert scale_validation.fit_allocator_cache() == pytest.approx(
+        estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM, abs=1.0)
+
+
+def test_nebius_anchor_calibrates_b200_and_predicts_deepep_faster(validated):
+    cal, rows = validated
+    assert rows["anchor/nebius_671b_256xb200/standard"].error_pct == pytest.approx(0.0, abs=0.5)
+    assert 0.1 < cal.gemm_efficiency_of("B200") < cal.gemm_efficiency
+    deepep = rows["anchor/nebius_671b_256xb200/deepep"]
+    mxfp8 = rows["anchor/nebius_671b_256xb200/deepep_mxfp8"]
+    assert deepep.predicted > rows["anchor/nebius_671b_256xb200/standard"].predicted
+    assert mxfp8.predicted > deepep.predicted
+
+
+def test_calibration_lists_every_constant_with_a_source(validated):
+    cal, _ = validated
+    names = [a.name for a in cal.assumptions]
+    assert len(names) == len(set(names))
+    assert all(a.source for a in cal.assumptions)
+    for needle in ("GEMM efficiency", "link efficiency", "per-kernel floor", "nccl path", "B200 GEMM"):
+        assert any(needle in n for n in names), needle
