@@ -15,6 +15,7 @@ VERBS = {
     "report": ("moe_comm.report", "plots and a markdown table comparing runs' metrics"),
     "dashboard": ("moe_comm.dashboard", "create a W&B workspace comparing backends"),
     "build": ("moe_comm.kernels.build", "compile the CUDA dispatch/combine extension ahead of time"),
+    "preflight": ("moe_comm.preflight", "bring NVSHMEM up across a job's ranks and time every pair (run under torchrun/srun)"),
     "build-deepep": ("moe_comm.backends.deepep_build", "build and install DeepEP v1.2.1 (the deepep backend)"),
 }
 

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_comm import estimate
-from moe_comm.kernels.limits import LIMITS
 from moe_comm.metrics.peaks import low_precision_converters, table_peaks
 from moe_comm.routing_plan import PlanStats, routing_statistics
 
@@ -118,10 +117,12 @@ def cluster_for(gpu: str, nodes: int, gpus_per_node: int, cal: Calibration) -> C
 
 def row_bytes(hidden: int, dtype: str = "bf16", metadata: bool = True) -> float:
     """Bytes one row puts on a link: the hidden vector (bf16, or e4m3 plus one fp32 scale per
-    128 channels) and, for our kernels and DeepEP, the slot metadata (csrc/common.cuh SlotMeta:
-    token index + kMaxTopK x (expert id, rank in expert, weight), 4 bytes each) plus its flag."""
+    128 channels) and, for our kernels and DeepEP, the slot metadata (csrc/common/wire.h: a net
+    slot's NetMeta, 128 bytes, the larger of the two formats; NVLink deliveries carry 80)."""
+    from moe_comm.kernels.capacity import NET_META_BYTES
+
     payload = hidden * 2 if dtype == "bf16" else hidden + hidden / 128 * 4
-    meta = 4 + 12 * LIMITS.max_top_k + 4 if metadata else 0
+    meta = NET_META_BYTES if metadata else 0
     return payload + meta
 
 

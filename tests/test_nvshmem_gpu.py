@@ -135,6 +135,18 @@ def reports(tmp_path_factory):
                 report = out / f"nvshmem_cases_{_layout_id(*key)}.json"
                 log = (out / f"nvshmem_cases_{_layout_id(*key)}.log").read_text()
                 results[key] = json.loads(report.read_text()) if report.exists() else {"missing": log[-8000:]}
+        # The preflight verb on 2 virtual nodes x 2: every pair probed through put/signal.
+        env = dict(os.environ, **GPU_ENV)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "moe_comm", "preflight", "--virtual-node", "2",
+             "--bytes", str(1 << 20), "--iters", "5", "--json", str(out / "preflight_2x2.json")],
+            env=env, capture_output=True, text=True, timeout=300)
+        (out / "preflight_2x2.log").write_text(proc.stdout + proc.stderr)
+        path = out / "preflight_2x2.json"
+        results["preflight"] = (json.loads(path.read_text()) | {"exit": proc.returncode} if path.exists()
+                                else {"missing": (proc.stdout + proc.stderr)[-8000:]})
     finally:
         mps.stop()
     return results
@@ -161,3 +173,14 @@ def test_nvshmem_case(reports, layout, case):
 def test_nvshmem_error_case(reports, layout, case):
     result = _result(reports, (*layout, True), case)
     assert result == "PASS", result
+
+
+def test_preflight_probes_every_pair(reports):
+    report = reports["preflight"]
+    if "missing" in report:
+        pytest.fail(f"preflight wrote no report:\n{report['missing']}")
+    assert report["exit"] == 0 and not report["failed"]
+    pairs = report["pairs"]
+    assert len(pairs) == 12 and all(p["gbps"] > 0 for p in pairs)
+    assert sum(p["same_node"] for p in pairs) == 4  # 2 virtual nodes x 2: one NVLink peer each
+    assert report["environment"]["ranks_per_node"] == 2

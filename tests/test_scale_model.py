@@ -10,7 +10,7 @@ from moe_comm import estimate, scale_calibration, scale_model, scale_validation
 from moe_comm.scale_calibration import Calibration, OpCost
 from moe_comm.scale_model import Cluster, GPUSpec, Workload
 
-META = 4 + 12 * 8 + 4  # SlotMeta (token, 8 x (id, rank in expert, weight)) + its flag
+META = 128  # csrc/common/wire.h kNetMetaBytes
 
 
 def hand_calibration() -> Calibration:

@@ -26,6 +26,7 @@ enum CommKernel : int {
   kKernelDispatch = 0,      // dispatch (and the backward of combine)
   kKernelCombine = 1,       // combine (and the backward of dispatch)
   kKernelCollectGradW = 2,  // routing-weight gradients travelling home
+  kKernelPreflight = 3,     // the preflight's probes between every pair of ranks
 };
 
 enum WaitPhase : int {

@@ -1,0 +1,39 @@
+// Preflight: before a large job spends its queue time, every rank puts a probe to every other
+// rank with NVSHMEM's put/signal API (the network hop's own calls) and times it. Step d pairs
+// rank r with r + d (sending) and r - d (receiving), so all pairs are exercised in W - 1 steps
+// with every rank busy in both directions. Waits are bounded like every other wait: a peer
+// that never answers becomes an error word naming it.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <stdexcept>
+
+#include "common/launch.h"
+#include "common/wait.cuh"
+#include "internode/preflight.h"
+
+namespace moe_comm {
+
+__global__ void preflight_kernel(const Buffers* __restrict__ buffers, const PreflightArgs a) {
+  const Buffers& b = *buffers;
+  const int W = b.topo.world, me = b.topo.rank;
+  for (int d = 1; d < W; ++d) {
+    const int to = (me + d) % W, from = (me - d + W) % W;
+    const int64_t start = global_time_ns();
+    for (int it = 0; it < a.iters; ++it) {
+      const uint32_t tag = a.base_tag + it + 1;
+      nvshmemx_putmem_signal_nbi_warp(a.recv, a.send, a.bytes, a.sig + d, tag, NVSHMEM_SIGNAL_SET, to);
+      if (!wait_equal<uint64_t>(a.sig + d, tag, b.wait, kKernelPreflight, kPhaseNetworkRows, from)) break;
+    }
+    __syncwarp();
+    nvshmem_quiet();
+    if (threadIdx.x == 0) a.elapsed_ns[to] = global_time_ns() - start;
+  }
+}
+
+void launch_preflight(const Buffers& b, const PreflightArgs& a, cudaStream_t stream) {
+  preflight_kernel<<<1, 32, 0, stream>>>(b.on_device, a);
+  MOE_COMM_CHECK_LAUNCH("preflight");
+}
+
+}  // namespace moe_comm
