@@ -84,7 +84,7 @@ def wait_for(what: str, ok, timeout: float, slurm: LocalSlurm, log: Path, runnin
 def assert_trained(log: Path, dump: Path, job_id: str) -> list[dict]:
     """The job trained STEPS steps, wrote its metrics, and saved its provenance beside them."""
     text = log.read_text()
-    steps = sorted({int(s) for s in re.findall(r"step:\s*(\d+)", text)})
+    steps = sorted({int(s) for s in re.findall(r"- INFO - step +(\d+)/", text)})
     assert steps and steps[-1] == STEPS, f"log shows steps {steps}, expected up to {STEPS}:\n{text[-4000:]}"
     metrics = dump / "metrics.jsonl"
     assert metrics.exists(), f"no metrics in {dump}: {sorted(p.name for p in dump.iterdir())}"
