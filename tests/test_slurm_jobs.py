@@ -135,11 +135,11 @@ def test_cpu_recipe_two_nodes_rendezvous(slurm, tmp_path):
 
 def test_directives_are_honoured_by_slurm(slurm):
     """Submit the 671B job held, and read back what Slurm made of its directives."""
-    # A real submit checks the recipe's files; the DeepSeek-V3 tokenizer is not in CI, the tiny
-    # one stands in (the held job never runs).
+    # A real submit checks the recipe's files; the DeepSeek-V3 tokenizer and the c4 shards on
+    # /data are not in CI, the tiny ones stand in (the held job never runs).
     proc = submit(slurm, RECIPES_B200["671B"], "--cluster.partition", GPU_PARTITION,
                   "--cluster.time", "02:00:00", "--cluster.sbatch_args", "--hold",
-                  "--model.hf_assets_path", "./assets/tiny")
+                  "--model.hf_assets_path", "./assets/tiny", "--training.dataset_path", "./assets/tiny/c4_tiny")
     assert proc.returncode == 0, proc.stderr
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     try:
