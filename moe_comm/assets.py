@@ -112,44 +112,52 @@ def plan(r: recipe.Recipe) -> list[Item]:
     return items
 
 
+class HubError(Exception):
+    """A download that did not happen, said in the user's terms with the fix."""
+
+
 def _download(repo_id: str, repo_type: str, patterns: list[str], folder: str) -> None:
+    """The files of `repo_id` matching `patterns` into `folder` (huggingface_hub skips what is
+    there already, so an interrupted run resumes)."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
-    snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns, local_dir=folder)
-
-
-def _hub_error(e: Exception, item: Item) -> str:
-    """What went wrong, in the user's terms, with the fix."""
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    repo = item.source.split(" ")[0]
-    if isinstance(e, GatedRepoError):
-        return f"{repo} is gated: accept its terms on huggingface.co, then `hf auth login` (or set HF_TOKEN)"
-    if isinstance(e, RepositoryNotFoundError):
-        return f"no repo {repo} on the hub (or it is private: `hf auth login`); check [assets]"
-    if isinstance(e, LocalEntryNotFoundError):
-        return (f"could not reach the Hugging Face hub ({type(e).__name__}); run this on a machine with "
-                f"network, or copy the files of {repo} into {item.folder} by hand")
-    return f"{type(e).__name__}: {e}"
-
-
-def fetch(r: recipe.Recipe, item: Item) -> str | None:
-    """Fetch what `item` misses; an error message, or None when it worked."""
-    assets = r.config.assets
     try:
-        if item.what == "tokenizer":
-            _download(assets.tokenizer_repo, "model", item.missing, item.folder)
-            item.fetched = [f for f in item.missing if os.path.isfile(os.path.join(item.folder, f))]
-            item.missing = [f for f in item.missing if f not in item.fetched]
-            if item.missing:
-                return f"{assets.tokenizer_repo} has no {', '.join(item.missing)}; fix [assets] tokenizer_files"
-            return None
-        folder = Path(item.folder)
-        _download(assets.dataset_repo, "dataset", list(assets.dataset_files), item.folder)
-    except Exception as e:  # noqa: BLE001 - every hub failure becomes a message with its fix
-        return _hub_error(e, item)
+        snapshot_download(repo_id, repo_type=repo_type, allow_patterns=patterns, local_dir=folder)
+    except GatedRepoError as e:
+        raise HubError(f"{repo_id} is gated: accept its terms on huggingface.co, then `hf auth login` "
+                       "(or set HF_TOKEN)") from e
+    except RepositoryNotFoundError as e:
+        raise HubError(f"no repo {repo_id} on the hub (or it is private: `hf auth login`); check [assets]") from e
+    except LocalEntryNotFoundError as e:  # what huggingface_hub raises when the hub is out of reach
+        raise HubError(f"could not reach the Hugging Face hub ({type(e).__name__}); run this on a machine "
+                       f"with network, or copy the files of {repo_id} into {folder} by hand") from e
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise HubError(f"{repo_id}: {type(e).__name__}: {e}") from e
+
+
+def fetch_tokenizer(r: recipe.Recipe, item: Item) -> None:
+    assets = r.config.assets
+    _download(assets.tokenizer_repo, "model", item.missing, item.folder)
+    item.fetched = [f for f in item.missing if os.path.isfile(os.path.join(item.folder, f))]
+    item.missing = [f for f in item.missing if f not in item.fetched]
+    if item.missing:
+        raise HubError(f"{assets.tokenizer_repo} has no {', '.join(item.missing)}; fix [assets] tokenizer_files")
+
+
+def fetch_dataset(r: recipe.Recipe, item: Item) -> None:
+    """The dataset files into the folder, then the card that declares them (written last, so a
+    card means a complete folder)."""
     import fnmatch
 
+    assets = r.config.assets
+    _download(assets.dataset_repo, "dataset", list(assets.dataset_files), item.folder)
+    folder = Path(item.folder)
     # what is in the folder now (huggingface_hub keeps its own bookkeeping under .cache/)
     present = [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
     staged = sorted(
@@ -157,10 +165,9 @@ def fetch(r: recipe.Recipe, item: Item) -> str | None:
         if not f.startswith(".cache/") and any(fnmatch.fnmatch(f, pat) for pat in assets.dataset_files)
     )
     if not staged:
-        return (f"no file of {assets.dataset_repo} matches [assets] dataset_files = {list(assets.dataset_files)}")
+        raise HubError(f"no file of {assets.dataset_repo} matches [assets] dataset_files = {list(assets.dataset_files)}")
     write_card(folder, assets.dataset_config, staged)
     item.fetched, item.missing = staged, []
-    return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -200,12 +207,13 @@ def main(args: argparse.Namespace) -> int:
             ok = False
             continue
         print(f"{item.what:9}  fetching {item.source} -> {item.folder}", flush=True)
-        error = fetch(r, item)
-        if error:
-            print(f"{what}\n           {error}")
+        try:
+            (fetch_tokenizer if item.what == "tokenizer" else fetch_dataset)(r, item)
+        except HubError as e:
+            print(f"{what}\n           {e}")
             ok = False
         else:
-            print(f"{item.what:9}  ok       {item.folder}: fetched {len(item.fetched)} file(s)")
+            print(f"{item.what:9}  ok       {item.folder}: {len(item.fetched)} file(s) in place")
     return 0 if ok else 1
 
 

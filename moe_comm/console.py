@@ -10,21 +10,20 @@ earlier), `setup()` routes TorchTitan's root logger:
 
 - every record goes, without colour codes, to this rank's log file DUMP/logs/rank{R}.log: held
   in memory until the metrics processor knows the dump folder (`open_log_file`), written to
-  stderr instead if the run stops before that;
+  stderr instead if an exception ends the run before that;
 - the console (TorchTitan's own stdout handler) keeps only the lines this package sends it
   (`show`: the header, the step line, the footer, start-up progress), the TorchTitan INFO lines
   that say where a run is (`TITAN_PROGRESS`: model size, batch summary, first step, checkpoint
-  saves and loads, validation), and every warning and error except the `EXPECTED` ones, which
+  saves and loads), and every warning and error except the `EXPECTED` ones, which
   only the file keeps, each with the reason it is expected;
 - Python warnings go through logging (`logging.captureWarnings`), so the same rules apply.
 
 `StartupWatch` covers the silent seconds before the first step line (model set-up, checkpoint
-load, torch.compile, a backend's first dispatch): it names what is running when nothing has
-been printed for a while, and reports how long the one-time work took on step 1's line.
+load, torch.compile, a backend's first dispatch): when they last long it names what is running,
+and step 1's line reports how long the one-time work took.
 Colour is for terminals only (`use_color`).
 """
 
-import atexit
 import logging
 import os
 import re
@@ -48,7 +47,6 @@ TITAN_PROGRESS = (
     "Loading the checkpoint from",
     "Finished loading the checkpoint",
     "Finished saving the checkpoint",
-    "validate step:",
 )
 
 
@@ -134,15 +132,22 @@ class ConsoleFilter(logging.Filter):
 
 
 class FileFormatter(logging.Formatter):
-    """TorchTitan's line format, without colour codes, with the reason for expected warnings."""
+    """TorchTitan's line format, without colour codes; an expected warning is explained the
+    first time it appears."""
 
     def __init__(self):
         super().__init__("[titan] %(asctime)s - %(name)s - %(levelname)s - %(message)s")
+        self._explained: set[str] = set()
 
     def format(self, record: logging.LogRecord) -> str:
         text = plain(super().format(record))
         known = expected(text) if record.levelno >= logging.WARNING else None
-        return f"{text}  [expected: {known.why}]" if known else text
+        if known is None:
+            return text
+        if known.text in self._explained:
+            return f"{text}  [expected, see above]"
+        self._explained.add(known.text)
+        return f"{text}  [expected: {known.why}]"
 
 
 class RankLogFile(logging.Handler):
@@ -178,7 +183,7 @@ class RankLogFile(logging.Handler):
         self._file.flush()
 
     def write_pending_to_stderr(self) -> None:
-        """At exit without a log file (the run stopped early): nothing is lost."""
+        """A crash before the log file opened: nothing is lost."""
         if self._file is None and self._pending:
             sys.stderr.write("moe_comm: the run stopped before its log file was opened; its log so far:\n")
             for record in self._pending:
@@ -189,17 +194,32 @@ class RankLogFile(logging.Handler):
 _log_file: RankLogFile | None = None
 
 
+def _write_pending_on_crash(log: RankLogFile) -> None:
+    """An exception that ends the process before the log file opened (a missing tokenizer, a
+    bad mesh) also prints the log so far, which says what led to it."""
+    previous = sys.excepthook
+
+    def hook(*exc_info):
+        log.write_pending_to_stderr()
+        previous(*exc_info)
+
+    sys.excepthook = hook
+
+
 def setup() -> None:
-    """Route TorchTitan's root logger as the module docstring says (idempotent)."""
+    """Route TorchTitan's root logger as the module docstring says (idempotent). Only inside
+    TorchTitan's trainer, whose init_logger put a StreamHandler to stdout on the root logger:
+    other importers of moe_comm.titan (`check` reads its flavors) keep their logging as it is."""
     global _log_file
-    if _log_file is not None:
+    console = [h for h in logger.handlers if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout]
+    if _log_file is not None or not console:
         return
     _log_file = RankLogFile()
-    for handler in logger.handlers:  # TorchTitan's init_logger: one StreamHandler to stdout
+    for handler in console:
         handler.addFilter(ConsoleFilter())
     logger.addHandler(_log_file)
     logging.captureWarnings(True)  # py.warnings propagates to the root logger
-    atexit.register(_log_file.write_pending_to_stderr)
+    _write_pending_on_crash(_log_file)
     if not sys.stderr.isatty():
         # "Generating train split: 600 examples" progress bars, redrawn with \r, in a log file
         import datasets
@@ -220,10 +240,11 @@ def open_log_file(dump_folder: str, rank: int) -> str | None:
 class StartupWatch:
     """What the run is doing before its first step line.
 
-    `phase(text)` names the current one-time work; a background thread prints it when nothing
-    was printed for `quiet_s` seconds, then every `every_s`. torch.compile and a backend's first
-    dispatch also add up their time (`summary()`, for step 1's line), and the first compilation
-    is announced as it starts: it is the longest silence of a compiled recipe.
+    `phase(text)` names the current one-time work; a background thread prints it `quiet_s`
+    seconds after `start`, then every `every_s`, until `stop` (the first step line). So a CPU
+    run, whose first step comes within seconds, prints nothing extra. torch.compile and a
+    backend's first dispatch also add up their time (`summary()`, for step 1's line), and the
+    first compilation is announced as it starts: it is the longest silence of a compiled recipe.
     """
 
     def __init__(self, quiet_s: float = 20.0, every_s: float = 60.0):

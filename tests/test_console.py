@@ -117,12 +117,15 @@ def test_console_filter_and_log_file(tmp_path):
     log = console.RankLogFile()
     log.handle(_record("before the dump folder is known"))
     log.handle(_record("Peak flops undefined for: CPU, fallback to A100", logging.WARNING))
+    log.handle(_record("Peak flops undefined for: CPU, fallback to A100", logging.WARNING))
     path = tmp_path / "logs" / "rank0.log"
     log.open(str(path))
     log.handle(_record("\x1b[32mafter\x1b[39m"))
     text = path.read_text()
     assert "before the dump folder is known" in text and "after" in text and "\x1b[" not in text
+    # explained once, where it first appears
     assert re.search(r"Peak flops undefined for: CPU, fallback to A100  \[expected: .*moe_comm.metrics.peaks", text)
+    assert text.count("[expected: ") == 1 and "fallback to A100  [expected, see above]" in text
 
 
 def test_log_written_to_stderr_when_the_run_stops_before_the_file(capsys):

@@ -72,15 +72,19 @@ class PipelineStages:
     def has_loss(self) -> bool:
         return self.rank == self.loss_rank
 
+    def _all_gather(self, values: list[float]) -> list[list[float]]:
+        """`values` of every pipeline rank of this rank's pipeline group, by pipeline rank."""
+        mine_X = torch.tensor(values, dtype=torch.float64, device=self.device)
+        all_X = [torch.empty_like(mine_X) for _ in range(self.size)]
+        dist.all_gather(all_X, mine_X, group=self.group)
+        return [t.tolist() for t in all_X]
+
     def gather(
         self, loss: float, max_loss: float, ours: dict[str, float], moe_layers: int, step_ms: float
     ) -> tuple[float, float, dict[str, float]]:
         """(the last stage's loss, its max loss, the whole model's comm metrics + per stage)."""
-        mine = [loss, max_loss, float(moe_layers)] + [ours.get(k, math.nan) for k in _FIELDS]
-        mine_X = torch.tensor(mine, dtype=torch.float64, device=self.device)
-        all_X = [torch.empty_like(mine_X) for _ in range(self.size)]
-        dist.all_gather(all_X, mine_X, group=self.group)
-        rows = [dict(zip(("loss", "max_loss", "layers") + _FIELDS, t.tolist())) for t in all_X]
+        mine = [float(loss), float(max_loss), float(moe_layers)] + [ours.get(k, math.nan) for k in _FIELDS]
+        rows = [dict(zip(("loss", "max_loss", "layers") + _FIELDS, values)) for values in self._all_gather(mine)]
         merged: dict[str, float] = {}
         measured = [(r, row) for r, row in enumerate(rows) if not math.isnan(row[keys.COMM_MS])]
         for r, row in measured:

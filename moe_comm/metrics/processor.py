@@ -5,7 +5,7 @@ It extends, not replaces, TorchTitan's processor: TorchTitan still computes loss
 TFLOPS, MFU and memory and sends them to its loggers; we pass our numbers in as its
 `extra_metrics`, set the peak MFU divides by, add a JSONL logger next to W&B/TensorBoard, and
 build the console's step line (moe_comm.metrics.step_line) from TorchTitan's metrics and ours.
-TorchTitan's own step line still goes to the rank's log file (moe_comm.titan.console). Under
+TorchTitan's own step line still goes to the rank's log file (moe_comm.console). Under
 pipeline parallelism the stages share their loss and comm (moe_comm.metrics.pipeline).
 
 "Comm not hidden" (moe_comm/comm_exposed(%)) = time the compute stream spends inside dispatch
@@ -32,14 +32,15 @@ from torchtitan.components.metrics import (
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import Color, NoColor
 
+from moe_comm import console
 from moe_comm.metrics import keys, naming
 from moe_comm.metrics.instrumented import instrumented_backends, SENDS_ONCE_PER_RANK, summarize
 from moe_comm.metrics.peaks import resolve_peak
 from moe_comm.metrics.pipeline import PipelineStages
 from moe_comm.metrics.step_line import format_duration, StepLine
-from moe_comm import console
 
 JSONL_NAME = keys.JSONL_NAME
+
 
 def _jsonable(value: Any) -> Any:
     """JSON has no NaN/inf: write null, so every line parses with any JSON reader."""
