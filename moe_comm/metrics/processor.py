@@ -135,6 +135,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
         self.stages = PipelineStages(parallel_dims, job_config) if parallel_dims.pp_enabled else None
         self.log_path = console.open_log_file(job_config.job.dump_folder, self.rank)
 
+        self._started = time.perf_counter()
         self._last_logged_step = 0
         self._first_log: tuple[int, float] | None = None  # (step, time) of the first log line
         self._losses: list[float] = []
@@ -285,9 +286,9 @@ class MoECommMetricsProcessor(MetricsProcessor):
         if self._losses:
             steady = self._step_seconds[1:] or self._step_seconds
             console.show(
-                f"moe_comm: done, {self._last_logged_step} steps; loss {self._losses[0]:.4f} -> "
-                f"{self._losses[-1]:.4f}; median {statistics.median(steady):.2f} s/step after the first; "
-                f"wall {format_duration(sum(self._step_seconds))} of logged steps"
+                f"moe_comm: done at step {self._last_logged_step}/{self.job_config.training.steps} in "
+                f"{format_duration(time.perf_counter() - self._started)}; loss {self._losses[0]:.4f} -> "
+                f"{self._losses[-1]:.4f}; median {statistics.median(steady):.2f} s/step after the first"
             )
         if self.wandb_sync_dir:
             console.show(f"W&B run saved offline. Upload it with: wandb sync {self.wandb_sync_dir}")
