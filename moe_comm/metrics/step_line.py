@@ -1,7 +1,7 @@
 """The one console line per logged step, on CPU and GPU alike.
 
     step 3/5  1.91 s/step  eta 0:04  loss 6.2380  gnorm 7.46  tok/s 268  mfu n/a  mem n/a  dispatch 47.5ms combine 28.3ms (4.0% of step)
-    step 40/100  0.73 s/step  eta 0:44  loss 3.5244  gnorm 0.41  tok/s 22,620  mfu 43.7% of 989 TFLOPS bf16  mem 134.6GiB (96%)  dispatch 4.1ms combine 3.2ms (1.0% of step)
+    step  40/100  0.73 s/step  eta 0:44  loss 3.5244  gnorm 0.41  tok/s 22,620  mfu 43.7% of 989 TFLOPS bf16  mem 134.6GiB (96%)  dispatch 4.1ms combine 3.2ms (1.0% of step)
 
 It replaces TorchTitan's step line and the comm line this package used to print after it:
 the loss, gradient norm, tokens/s and memory are TorchTitan's own numbers; the MFU is the one
