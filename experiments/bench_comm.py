@@ -15,6 +15,8 @@ Three steps, all on the GPU machine but the last:
       this project's NVSHMEM start-up.
   python experiments/bench_comm.py report OUT_DIR/*.json --json results/h200x2/comm_bench.json
       merges the runs, adds ratios against the nvshmem backend, and draws the plot beside it.
+  python experiments/bench_comm.py plot results/h200x2/comm_bench.json
+      redraws that plot from the merged JSON alone.
 """
 
 import argparse
@@ -340,17 +342,12 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
             dist.barrier()
     if rank == 0:
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                   "rows": rows}, indent=1))
+                                   "date": time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows}, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def report(inputs: list[Path], json_out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     merged = {"p2p": None, "rows": [], "inputs": [str(p) for p in inputs]}
     for path in inputs:
         data = json.loads(path.read_text())
@@ -390,40 +387,117 @@ def report(inputs: list[Path], json_out: Path) -> None:
                                            if dsv3.get("transport_round_trip_us") else None),
             "nvshmem_sms": dsv3["num_sms"],
         }
+    if "date" not in merged:  # the day the numbers were measured; `report` runs right after `run`
+        dates = sorted({json.loads(p.read_text()).get("date") for p in inputs} - {None})
+        merged["date"] = dates[0] if dates else time.strftime("%Y-%m-%d", time.gmtime())
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(merged, indent=1))
+    plot(merged, json_out.with_suffix(".png"))
 
-    shapes = list(SHAPES)
-    labels = sorted({(r["backend"], r["num_sms"]) for r in ok}, key=lambda k: (k[0], k[1] or 0))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5))
-    for ax, shape in zip(axes, shapes):
-        names, parts = [], []  # parts: (dispatch transport, dispatch layout, combine layout, combine transport)
-        for backend, sms in labels:
-            r = next((r for r in ok if r["shape"] == shape and r["backend"] == backend and r["num_sms"] == sms), None)
-            if r:
-                names.append(backend + (f"\n{sms} SMs" if sms else ""))
-                if r.get("kernel_us"):
-                    parts.append((r["transport_dispatch_us"], r["kernel_us"]["expand_kernel"],
-                                  r["kernel_us"]["reduce_kernel"], r["transport_combine_us"]))
-                else:
-                    parts.append((r["dispatch_us"], 0.0, 0.0, r["combine_us"]))
-        bottom = [0.0] * len(names)
-        styles = [("dispatch", dict(color="C0")), ("layout (expand, reduce)", dict(color="0.8", hatch="//")),
-                  (None, dict(color="0.8", hatch="//")), ("combine", dict(color="C1"))]
-        for i, (label, style) in enumerate(styles):
-            heights = [p[i] for p in parts]
-            ax.bar(names, heights, bottom=bottom, label=label, **style)
-            bottom = [b + h for b, h in zip(bottom, heights)]
-        if shape == "dsv3_random":
-            ax.axhline(sum(DEEPEP_V1_REFERENCE_US.values()), color="k", ls="--", lw=1, label="DeepEP v1 (NOTES)")
-        ax.set_title(shape)
-        ax.set_ylabel("microseconds (median)")
-        ax.tick_params(axis="x", labelsize=7)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"MoE dispatch + combine, {merged.get('device', '')} x2")
-    fig.tight_layout()
-    fig.savefig(json_out.with_suffix(".png"), dpi=120)
-    print(f"wrote {json_out} and {json_out.with_suffix('.png')}")
+
+def _bench_footer(merged: dict, ok: list[dict], date: str) -> list[str]:
+    """What the plot shows: the benchmark's shapes (it has no recipe), hardware, date, options."""
+    world = ok[0]["world"] if ok else "?"
+    shapes = "; ".join(
+        f"{name} = {t} tokens/rank, hidden {d}, top-{k}, {e} experts, {routing} routing"
+        for name, (t, d, k, e, routing) in SHAPES.items()
+    )
+    sms = sorted({r["num_sms"] for r in ok if r["backend"] == "nvshmem"})
+    warps = sorted({r.get("warps") for r in ok if r["backend"] == "nvshmem" and r.get("warps")})
+    options = [f"nvshmem num_sms {'/'.join(map(str, sms))}" + (f", warps {'/'.join(warps)}" if warps else "")] if sms else []
+    options += [f"{b}: {note}" for b, note in dict.fromkeys((r["backend"], r["sms_note"]) for r in ok if r.get("sms_note"))]
+    return [
+        f"experiments/bench_comm.py (no recipe): bf16, {shapes}",
+        f"hardware: {world} x {merged.get('device', '?')}, torch {merged.get('torch', '?')};  date: {date}",
+        "backend options: " + ";  ".join(options),
+    ]
+
+
+def plot(merged: dict, png: Path, date: str | None = None) -> None:
+    """Per shape: the round trip of every backend on a log axis (the slow and the fast ones
+    readable together), and below it the fast ones zoomed in, split into dispatch transport,
+    the local expert-major layout (nvshmem's expand and reduce) and combine transport."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    from moe_comm import plots
+
+    ok = [r for r in merged["rows"] if "error" not in r]
+    date = date or merged.get("date") or "not recorded"
+    shapes = [s for s in SHAPES if any(r["shape"] == s for r in ok)]
+    configs = sorted({(r["backend"], r["num_sms"]) for r in ok}, key=lambda k: (k[0] != "nccl", k[0], k[1] or 0))
+    deepep = merged.get("deepep_v1_reference")
+    fig, axes = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 7.5), squeeze=False,
+                             gridspec_kw={"height_ratios": [1, 1.3]})
+    for col, shape in enumerate(shapes):
+        rows = [(b, sms, next(r for r in ok if r["shape"] == shape and r["backend"] == b and r["num_sms"] == sms))
+                for b, sms in configs if any(r["shape"] == shape and r["backend"] == b and r["num_sms"] == sms for r in ok)]
+        names = [b + (f"\n{sms} SMs" if sms else "") for b, sms, _ in rows]
+        colors = [plots.backend_color(b) for b, _, _ in rows]
+        totals = [r["round_trip_us"] for _, _, r in rows]
+        x = list(range(len(rows)))
+        title = f"{shape}: {SHAPES[shape][0]} tokens/rank"
+
+        top = axes[0][col]
+        top.bar(x, totals, color=colors)
+        top.set_yscale("log")
+        for xi, total in zip(x, totals):
+            top.text(xi, total * 1.08, f"{total:,.0f}", ha="center", va="bottom", fontsize=7)
+        top.set_ylim(min(totals) / 2, max(totals) * 3)
+        top.set_xticks(x, names, fontsize=7)
+        top.set_title(f"{title}\nround trip, all backends (log scale)", fontsize=9)
+        top.set_ylabel("microseconds (median)")
+        if shape == "dsv3_random" and deepep:
+            top.axhline(deepep["dispatch"] + deepep["combine"], color="k", ls="--", lw=1)
+
+        # the zoom: every backend within 3x of the fastest; slower bars are cut, their total written
+        fastest = min(totals)
+        limit = 1.25 * max(t for t in totals if t <= 3 * fastest)
+        bottom_ax = axes[1][col]
+        for xi, (backend, _, r), color in zip(x, rows, colors):
+            if r.get("kernel_us"):
+                parts = (r["transport_dispatch_us"], r["kernel_us"]["expand_kernel"] + r["kernel_us"]["reduce_kernel"],
+                         r["transport_combine_us"])
+            else:
+                parts = (r["dispatch_us"], 0.0, r["combine_us"])
+            styles = (dict(color=color), dict(color="0.85", hatch="//", edgecolor="0.5"), dict(color=color, alpha=0.45))
+            base = 0.0
+            for height, style in zip(parts, styles):
+                bottom_ax.bar(xi, height, bottom=base, **style)
+                base += height
+            if base > limit:
+                bottom_ax.text(xi, limit * 0.97, f"{base:,.0f} \u2191", ha="center", va="top", fontsize=7,
+                               bbox=dict(facecolor="white", edgecolor="none", pad=1))
+            else:
+                bottom_ax.text(xi, base + limit * 0.01, f"{base:,.0f}", ha="center", va="bottom", fontsize=7)
+        if shape == "dsv3_random" and deepep:
+            bottom_ax.axhline(deepep["dispatch"] + deepep["combine"], color="k", ls="--", lw=1)
+        bottom_ax.set_ylim(0, limit)
+        bottom_ax.set_xticks(x, names, fontsize=7)
+        bottom_ax.set_title(f"zoom: backends within 3x of the fastest ({limit:,.0f} \u00b5s cap)", fontsize=9)
+        bottom_ax.set_ylabel("microseconds (median)")
+
+    backends = dict.fromkeys(b for b, _ in configs)
+    handles = [Patch(color=plots.backend_color(b), label=b) for b in backends]
+    handles += [Patch(color="0.3", label="dispatch (transport)"),
+                Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="layout: expand + reduce (nvshmem)"),
+                Patch(color="0.3", alpha=0.45, label="combine (transport)")]
+    footer = _bench_footer(merged, ok, date)
+    if deepep:
+        handles.append(Line2D([], [], color="k", ls="--", lw=1, label="DeepEP v1 round trip (dsv3_random)"))
+        footer.append(f"DeepEP v1 reference: {deepep['dispatch']:g} + {deepep['combine']:g} us, {deepep.get('note', '')}")
+    plots.add_footer(fig, footer, top_in=0.75)  # then the title and legend go in the top band
+    height = fig.get_figheight()
+    fig.suptitle(f"MoE dispatch + combine, {ok[0]['world'] if ok else '?'} x {merged.get('device', '')}",
+                 y=1 - 0.08 / height, va="top")
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 1 - 0.4 / height))
+    fig.savefig(png, dpi=120, metadata={"Description": "\n".join(footer)})
+    print(f"wrote {png}")
 
 
 def main() -> int:
@@ -443,6 +517,9 @@ def main() -> int:
     rep = sub.add_parser("report")
     rep.add_argument("inputs", nargs="+", type=Path)
     rep.add_argument("--json", type=Path, required=True)
+    pl = sub.add_parser("plot", help="redraw the PNG beside a merged JSON (no GPU needed)")
+    pl.add_argument("json", type=Path)
+    pl.add_argument("--date", default=None, help="the measurement date, for a JSON made before `report` recorded it")
     args = parser.parse_args()
     if args.cmd == "p2p":
         p2p(args.out)
@@ -450,6 +527,8 @@ def main() -> int:
         options = {"network_sms": args.network_sms, "virtual_node_size": args.virtual_node,
                    "dispatch_dtype": args.dispatch_dtype}
         run(args.out, args.backends, args.num_sms, args.shapes, options)
+    elif args.cmd == "plot":
+        plot(json.loads(args.json.read_text()), args.json.with_suffix(".png"), args.date)
     else:
         report(args.inputs, args.json)
     return 0

@@ -217,8 +217,9 @@ def write_results(args: argparse.Namespace, results: list[RunResult], commands: 
     return path
 
 
-def plot_sweep(results: list[RunResult], out: Path) -> Path | None:
-    """MFU and tokens/s against tokens per rank per step (batch x seq), one line per backend."""
+def plot_sweep(results: list[RunResult], out: Path, runs: list[report.Run]) -> Path | None:
+    """MFU and tokens/s against tokens per rank per step (batch x seq), one line per backend
+    and sequence length, in the backend's colour; the footer names what `runs` are."""
     ok = [r for r in results if r.status == "ok" and r.spec.instrumented]
     if not ok:
         return None
@@ -227,26 +228,32 @@ def plot_sweep(results: list[RunResult], out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moe_comm import plots
+
     fig, (ax_mfu, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
     # One line per backend and sequence length: points of a line differ only in local batch.
-    for backend, seq in sorted({(r.spec.backend, r.summary.get("seq_len") or 0) for r in ok}):
+    lines = sorted({(r.spec.backend, r.summary.get("seq_len") or 0) for r in ok})
+    for backend, seq in lines:
         points = sorted(
             (r.summary["tokens_per_rank"], r.summary["mfu"], r.summary["tps"])
             for r in ok if r.spec.backend == backend and (r.summary.get("seq_len") or 0) == seq
         )
         xs = [p[0] for p in points]
         label = f"{backend}, seq {seq}" if seq else backend
-        ax_mfu.plot(xs, [p[1] if p[1] is not None else float("nan") for p in points], marker="o", label=label)
-        ax_tps.plot(xs, [p[2] for p in points], marker="o", label=label)
-    for ax, title in ((ax_mfu, "MFU (%)"), (ax_tps, "tokens/s per GPU")):
+        i = [s for b, s in lines if b == backend].index(seq)
+        style = dict(color=plots.backend_color(backend), linestyle=plots.LINE_STYLES[i % len(plots.LINE_STYLES)],
+                     marker=plots.MARKERS[i % len(plots.MARKERS)])
+        ax_mfu.plot(xs, [p[1] if p[1] is not None else float("nan") for p in points], label=label, **style)
+        ax_tps.plot(xs, [p[2] for p in points], label=label, **style)
+    dtypes = "/".join(sorted({r.summary.get("peak_dtype", "bf16") for r in ok}))
+    for ax, title in ((ax_mfu, f"MFU (%) against the {dtypes} peak"), (ax_tps, "tokens/s per GPU")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per rank per step (local batch x seq)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
+    ax_tps.legend()
     path = out / "mfu_vs_tokens.png"
-    fig.savefig(path, dpi=120)
+    plots.save(fig, path, report.provenance(runs, report.run_labels(runs)))
     plt.close(fig)
     return path
 
@@ -275,7 +282,8 @@ def run_all(args, specs: list[RunSpec], results: list[RunResult], commands: list
 def write_report(args, results, ok_dirs, failed, plots_dir: Path, commands: list[str]) -> None:
     report_md, _ = report.build_report(ok_dirs, plots_dir, args.warmup_steps,
                                        title=f"{args.name}: {len(results)} runs (commands at the end)")
-    sweep_plot = plot_sweep(results, plots_dir)
+    runs = [report.load_run(folder / "metrics.jsonl") for folder in ok_dirs]
+    sweep_plot = plot_sweep(results, plots_dir, runs)
     extra = [f"![{sweep_plot.stem}]({sweep_plot.name})"] if sweep_plot else []
     if failed:
         extra += ["", "## Failed runs", ""] + [f"- {r.spec.name}: {r.error}" for r in failed]

@@ -64,7 +64,7 @@ for RECIPE in "${RECIPES[@]}"; do
   WANDB_RUN_GROUP=${WANDB_RUN_GROUP:-h200x2} "${CMD[@]}" > "$RUN/train.log" 2>&1
   RC=$?
   echo "$RC" > "$RUN/exit_code"
-  LAST=$(grep -a "step:" "$RUN/train.log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g' | sed 's/.*- INFO - //')
+  LAST=$(grep -a " - INFO - step " "$RUN/train.log" | tail -1 | sed "s/.*- INFO - //")
   printf '%s\t%s\t%s\t%s\n' "$(basename "$RECIPE" .toml)" "$BACKEND" "$RC" "$LAST" >> "$SUMMARY"
   echo "    exit $RC; $LAST"
 done

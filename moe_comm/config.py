@@ -96,6 +96,29 @@ class Cluster:
 
 
 @dataclass
+class Assets:
+    """Where `python -m moe_comm assets RECIPE` fetches the files the recipe reads from disk:
+    the Hugging Face hub, once, into the recipe's own folders (on a cluster: its shared
+    storage), so no rank downloads anything at start-up."""
+
+    tokenizer_repo: str = ""
+    """Hub model repo whose tokenizer goes into [model] hf_assets_path, e.g.
+    "deepseek-ai/DeepSeek-V3". Empty: the files are put there by hand (assets/tiny ships them)."""
+    tokenizer_files: list[str] = field(default_factory=lambda: ["tokenizer.json", "tokenizer_config.json"])
+    """The files of tokenizer_repo that TorchTitan's tokenizer reads."""
+    dataset_repo: str = ""
+    """Hub dataset repo staged into [training] dataset_path (a local folder), e.g. "allenai/c4".
+    Empty: dataset_path is a folder already there, or a hub id streamed at start-up."""
+    dataset_files: list[str] = field(default_factory=list)
+    """Which files of dataset_repo to stage: huggingface_hub allow-patterns, e.g.
+    ["en/c4-train.0000?-of-01024.json.gz"]."""
+    dataset_config: str = "default"
+    """The configuration name the staged files are declared as (in the folder's dataset card):
+    the `name` TorchTitan's loader passes to load_dataset ("en" for its c4 loader)."""
+
+
+@dataclass
 class JobConfig:
     moe_comm: MoEComm = field(default_factory=MoEComm)
     cluster: Cluster = field(default_factory=Cluster)
+    assets: Assets = field(default_factory=Assets)

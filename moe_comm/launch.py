@@ -86,6 +86,8 @@ def main(args: argparse.Namespace) -> int:
         return recipe.main_error(e)
 
     env = dict(os.environ)
+    if r.layout.procs_per_node > 1:  # what torchrun sets anyway, without its 4-line banner
+        env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1" if r.config.training.dataset == "c4_test" else "0")
     if r.device == "cuda":
         env.update(GPU_ENV)

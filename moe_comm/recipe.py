@@ -176,16 +176,19 @@ def _check_paths(config) -> None:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     assets = config.model.hf_assets_path
+    fetch = f"python -m moe_comm assets {config.job.config_file or 'RECIPE.toml'}"
     if not os.path.isdir(assets):
         raise RecipeError(
             f"[model] hf_assets_path = {assets!r} is not a directory (relative to {os.getcwd()}); "
-            "run from the repository root or give an absolute path to the tokenizer folder"
+            f"`{fetch}` fetches the tokenizer there, or run from the repository root or give an "
+            "absolute path to the tokenizer folder"
         )
     tokenizer_files = ("tokenizer.json", "vocab.json", "vocab.txt")
     if not any(os.path.isfile(os.path.join(assets, f)) for f in tokenizer_files):
         raise RecipeError(
             f"[model] hf_assets_path = {assets!r} has no tokenizer.json (or vocab.json/vocab.txt); "
-            "point it at a HuggingFace tokenizer folder (for the tiny one: python assets/make_tiny.py)"
+            f"`{fetch}` fetches it from the hub, or point it at a Hugging Face tokenizer folder "
+            "(for the tiny one: python assets/make_tiny.py)"
         )
     t = config.training
     if t.dataset not in DATASETS:
@@ -197,7 +200,8 @@ def _check_paths(config) -> None:
     if t.dataset_path and t.dataset_path.startswith((".", "/")) and not os.path.exists(t.dataset_path):
         raise RecipeError(
             f"[training] dataset_path = {t.dataset_path!r} does not exist (relative to "
-            f"{os.getcwd()}); run from the repository root or give an absolute path"
+            f"{os.getcwd()}); `{fetch}` stages it when [assets] dataset_repo names it, or run from "
+            "the repository root or give an absolute path"
         )
 
 

@@ -2,18 +2,26 @@
 
 Reads each run's metrics.jsonl (written by moe_comm.metrics), summarises the steady state (the
 median over steps after a warm-up, which includes start-up and compilation), and writes a
-markdown table comparing backends plus PNG plots into --out. Used for results/ and by
-experiments/mfu_sweep.py; no W&B or network needed.
+markdown table comparing backends plus PNG plots into --out (default: a `report` folder in
+the runs' own folder, the one folder that holds them all). Every PNG names its recipes,
+hardware, dates and backend options in a footer, and a backend keeps its colour across the
+plots (moe_comm.plots). Used for results/ and by experiments/mfu_sweep.py; no W&B or network
+needed.
 """
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_comm import plots
+from moe_comm.config import MoEComm
 from moe_comm.metrics import keys
 from moe_comm.metrics.keys import JSONL_NAME
 
@@ -56,6 +64,27 @@ class Run:
     def shape(self) -> str:
         return f"b{self.static.get(keys.LOCAL_BATCH, '?')}xs{self.static.get(keys.SEQ_LEN, '?')}"
 
+    @property
+    def hardware(self) -> str:
+        """'2 x NVIDIA H200': the run's world size and device."""
+        world = self.static.get(keys.WORLD_SIZE)
+        device = self.static.get(keys.DEVICE, "unknown device")
+        return f"{world} x {device}" if world else device
+
+    @property
+    def date(self) -> str:
+        """The day (UTC) of the run's first logged step."""
+        when = self.records[0].get("time")
+        return time.strftime("%Y-%m-%d", time.gmtime(when)) if when else "not recorded"
+
+    @property
+    def options(self) -> str:
+        """The [moe_comm] options that differ from their defaults: 'num_sms=64, ...'."""
+        defaults = dataclasses.asdict(MoEComm())
+        options = self.static.get(keys.BACKEND_OPTIONS) or {}
+        changed = [f"{k}={v}" for k, v in options.items() if k in defaults and v != defaults[k]]
+        return ", ".join(changed) or "defaults"
+
 
 def find_jsonl(path: Path) -> list[Path]:
     """A JSONL file itself, RUN_DIR/metrics.jsonl, or every metrics.jsonl below RUN_DIR."""
@@ -92,11 +121,13 @@ def _reduce(values: list[float], how: str) -> float | None:
     return statistics.median(values)
 
 
-def summarize_run(run: Run, warmup_steps: int = DEFAULT_WARMUP_STEPS) -> dict[str, Any]:
-    """Steady-state numbers: steps after `warmup_steps` (all steps if there are no more)."""
+def summarize_run(run: Run, warmup_steps: int = DEFAULT_WARMUP_STEPS, relative_to: Path | None = None) -> dict[str, Any]:
+    """Steady-state numbers: steps after `warmup_steps` (all steps if there are no more).
+    The run's folder is given relative to `relative_to` (the report's folder) when set."""
     steady = [r for r in run.records if r["step"] > warmup_steps] or run.records[-1:]
+    folder = run.path.parent
     summary: dict[str, Any] = {
-        "run": str(run.path.parent),
+        "run": os.path.relpath(folder, relative_to) if relative_to else str(folder),
         "recipe": run.static.get(keys.RECIPE, "?"),
         "backend": run.static.get(keys.BACKEND, "?"),
         "backend_name": run.backend_name,
@@ -155,13 +186,49 @@ def run_labels(runs: list[Run]) -> list[str]:
     ]
 
 
+def run_styles(runs: list[Run]) -> list[dict[str, Any]]:
+    """Matplotlib line styles: the backend's colour; runs of one backend differ in dash and marker."""
+    seen: dict[str, int] = {}
+    styles = []
+    for run in runs:
+        backend = run.static.get(keys.BACKEND, "?")
+        i = seen.get(backend, 0)
+        seen[backend] = i + 1
+        styles.append(dict(color=plots.backend_color(backend), linestyle=plots.LINE_STYLES[i % len(plots.LINE_STYLES)],
+                           marker=plots.MARKERS[i % len(plots.MARKERS)]))
+    return styles
+
+
+def provenance(runs: list[Run], labels: list[str]) -> list[str]:
+    """The footer of every plot of a report: what was run, on what, when, with which options."""
+
+    def distinct(values) -> str:
+        return ", ".join(dict.fromkeys(values))
+
+    dates = sorted({r.date for r in runs})
+    options = {r.options for r in runs}
+    if len(options) == 1:
+        backend_options = f"{options.pop()} (every run)"
+    else:
+        backend_options = ";  ".join(f"{label}: {r.options}" for label, r in zip(labels, runs))
+    return [
+        f"recipe: {distinct(r.static.get(keys.RECIPE, '?') for r in runs)}",
+        f"hardware: {distinct(r.hardware for r in runs)};  "
+        f"date: {dates[0] if len(dates) == 1 else dates[0] + ' to ' + dates[-1]}",
+        f"[moe_comm] options: {backend_options}",
+    ]
+
+
 def write_plots(runs: list[Run], summaries: list[dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     labels = run_labels(runs)
+    styles = run_styles(runs)
+    footer = provenance(runs, labels)
     written = []
     for key, title, filename in (
         (keys.TPS, "tokens/s per GPU", "tps.png"),
@@ -172,10 +239,12 @@ def write_plots(runs: list[Run], summaries: list[dict[str, Any]], out: Path) -> 
     ):
         fig, ax = plt.subplots(figsize=(7, 4))
         plotted = False
-        for run, label in zip(runs, labels):
+        for run, label, style, summary in zip(runs, labels, styles, summaries):
             points = [(r["step"], r[key]) for r in run.records if r.get(key) is not None]
+            if key == keys.MFU:  # MFU is only comparable against the same peak: say which
+                label += f" (of the {summary['peak_dtype']} peak)"
             if points:
-                ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+                ax.plot(*zip(*points), markersize=3, label=label, **style)
                 plotted = True
         if not plotted:
             plt.close(fig)
@@ -184,27 +253,47 @@ def write_plots(runs: list[Run], summaries: list[dict[str, Any]], out: Path) -> 
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / filename, dpi=120)
+        plots.save(fig, out / filename, footer)
         plt.close(fig)
         written.append(out / filename)
 
-    # where a steady-state step goes: dispatch, combine, everything else
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(runs) + 2.0))
+    # where a steady-state step goes: dispatch, combine, everything else; a bar per run in its
+    # backend's colour (dispatch solid, combine lighter, the rest grey), the legend beside it
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(runs) + 1.2))
     dispatch = [s["dispatch_ms"] or 0.0 for s in summaries]
     combine = [s["combine_ms"] or 0.0 for s in summaries]
     rest = [max((s["step_ms"] or 0.0) - d - c, 0.0) for s, d, c in zip(summaries, dispatch, combine)]
-    ax.barh(labels, dispatch, label="dispatch (fwd+bwd)")
-    ax.barh(labels, combine, left=dispatch, label="combine (fwd+bwd)")
-    ax.barh(labels, rest, left=[d + c for d, c in zip(dispatch, combine)], label="rest of step")
+    colors = [style["color"] for style in styles]
+    y = list(range(len(runs)))[::-1]  # the first run on top
+    ax.barh(y, dispatch, color=colors)
+    ax.barh(y, combine, left=dispatch, color=colors, alpha=0.45)
+    ax.barh(y, rest, left=[d + c for d, c in zip(dispatch, combine)], color="0.85")
+    ax.set_yticks(y, labels, fontsize=8)
     ax.set_xlabel("ms per step (median after warm-up)")
-    ax.set_title("Step time breakdown")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3)
-    fig.tight_layout()
-    fig.savefig(out / "step_breakdown.png", dpi=120)
+    ax.legend(
+        handles=[Patch(color="0.2", label="dispatch (fwd+bwd)"), Patch(color="0.2", alpha=0.45, label="combine (fwd+bwd)"),
+                 Patch(color="0.85", label="rest of step")],
+        fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False,
+    )
+    ax.set_title("Step time breakdown", fontsize=10)
+    ax.margins(y=0.5 / max(len(runs), 1))
+    plots.save(fig, out / "step_breakdown.png", footer)
     plt.close(fig)
     written.append(out / "step_breakdown.png")
     return written
+
+
+def default_out(run_paths: list[Path]) -> Path:
+    """`report` beside the runs: RUN_DIR/report for one run folder, else in the folder that
+    holds all of them. Never the current directory (an untracked ./report in a checkout)."""
+    folders = [p.resolve() if p.is_dir() else p.resolve().parent for p in run_paths]
+    common = Path(os.path.commonpath(folders))
+    if common == Path.cwd().resolve() or common == Path(common.anchor):
+        raise ValueError(
+            f"the runs {', '.join(map(str, run_paths))} share no folder below {common}: "
+            "say where the report goes with --out DIR"
+        )
+    return common / "report"
 
 
 def build_report(
@@ -215,7 +304,7 @@ def build_report(
         raise FileNotFoundError(f"no {JSONL_NAME} under {', '.join(map(str, run_paths))}")
     runs = [load_run(j) for j in jsonl_files]
     runs.sort(key=lambda r: (str(r.static.get(keys.RECIPE)), r.shape, r.backend_name != "nccl", r.backend_name))
-    summaries = [summarize_run(r, warmup_steps) for r in runs]
+    summaries = [summarize_run(r, warmup_steps, relative_to=out) for r in runs]
     add_speedups(summaries)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(runs, summaries, out)
@@ -237,7 +326,8 @@ def build_report(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run dump folders or metrics.jsonl files")
-    parser.add_argument("--out", type=Path, default=Path("report"), help="folder for report.md and PNGs")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for report.md and PNGs (default: report/ in the runs' own folder)")
     parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS,
                         help="steps left out of the medians (start-up, compilation)")
     parser.add_argument("--title", default="MoE comm backends")
@@ -245,10 +335,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        report_md, summaries = build_report(args.runs, args.out, args.warmup_steps, args.title)
+        out = args.out or default_out(args.runs)
+        report_md, summaries = build_report(args.runs, out, args.warmup_steps, args.title)
     except (FileNotFoundError, ValueError) as e:
         print(f"report: {e}")
         return 1
     print(markdown_table(summaries))
-    print(f"wrote {report_md} and plots in {args.out}")
+    print(f"wrote {report_md} and plots in {out}")
     return 0

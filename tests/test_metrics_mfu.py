@@ -76,3 +76,26 @@ def test_unknown_gpu_warns_and_override_wins():
     assert math.isnan(a100_fp8.tflops) and "fp8" in a100_fp8.warning
     mx = resolve_peak("NVIDIA B200", ["quantize.grouped_mm.mx"])
     assert (mx.tflops, mx.dtype) == (4500.0, "fp8")
+
+
+@pytest.mark.parametrize(
+    "recipe, device_name",
+    [("deepseek_v3_671b_b200_mxfp8.toml", "NVIDIA B200"), ("deepseek_v3_671b_layers_h200x2_float8.toml", "NVIDIA H200")],
+)
+def test_low_precision_recipes_say_the_peak_their_mfu_uses(recipe, device_name):
+    """The recipe's comment, the code's peak and the step line name the same 8-bit peak."""
+    import tomllib
+    from pathlib import Path
+
+    from moe_comm.metrics.step_line import StepLine
+
+    text = (Path(__file__).resolve().parents[1] / "recipes" / recipe).read_text()
+    comment = " ".join(line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#"))
+    peak = resolve_peak(device_name, tomllib.loads(text)["model"]["converters"])
+    assert peak.dtype == "fp8" and f"8-bit dense peak, {peak.tflops:g} TFLOPS" in comment
+    line = StepLine(step=1, total_steps=1, seconds_per_step=1.0, eta_s=None, loss=1.0, grad_norm=1.0,
+                    tokens_per_s=1.0, mfu_pct=20.0, peak=peak, mem_gib=1.0, mem_pct=1.0,
+                    dispatch_ms=1.0, combine_ms=1.0, comm_pct=1.0).format()
+    quoted = f"of {peak.tflops:g} TFLOPS fp8"
+    assert quoted in line and f'the step line says "{quoted}"' in comment
+    assert "moe_comm/mfu_bf16_peak(%) is the same against the bf16 peak" in comment

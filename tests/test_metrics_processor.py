@@ -1,5 +1,5 @@
 """The metrics processor on 2 gloo ranks with fake instrumented layers: TorchTitan's metrics plus
-ours reach the JSONL and an offline W&B run, the console shows the comm line, MFU follows the
+ours reach the JSONL and an offline W&B run, the console shows one step line, MFU follows the
 peak rules, and `wandb sync` is printed at the end."""
 
 import glob
@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 
 import pytest
@@ -122,8 +123,11 @@ def test_jsonl_wandb_console(tmp_path, offline_wandb):
     assert last[keys.IMBALANCE_EXPERT] == pytest.approx(4 / 3)
 
     log0 = results[0]["log"]
-    comm_lines = [m for m in log0 if "moe_comm[nvshmem]" in m and "dispatch:" in m]
-    assert len(comm_lines) == 2 and "comm:" in comm_lines[0] and "sent:" in comm_lines[0]
+    step_lines = [m for m in log0 if m.startswith("step ")]
+    assert len(step_lines) == 2, log0  # one console line per step: TorchTitan's and ours in one
+    assert re.match(r"step +2/10000  ", step_lines[1]) and "loss 0.5000" in step_lines[1]
+    assert "dispatch " in step_lines[1] and "% of step)" in step_lines[1]
+    assert "mfu " in step_lines[1] and "of 100 TFLOPS bf16" in step_lines[1]
     sync_lines = [m for m in log0 if "wandb sync" in m]
     assert len(sync_lines) == 1
     run_dir = sync_lines[0].split("wandb sync ")[1].strip()
@@ -140,15 +144,24 @@ def test_jsonl_wandb_console(tmp_path, offline_wandb):
         assert needle.encode() in run_bytes, needle
 
 
-def test_unknown_gpu_gives_nan_mfu_and_a_warning(tmp_path, offline_wandb):
+def test_cpu_gives_nan_mfu_and_says_so_once(tmp_path, offline_wandb):
     dump, results = _run(tmp_path, [])
     last = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))][-1]
     assert last[keys.MFU] is None  # NaN is written as null
     assert last[keys.TFLOPS] > 0
     assert math.isnan(results[0]["peak"])
     log0 = results[0]["log"]
-    assert any("No dense bf16 peak known for GPU 'CPU'" in m and "peak_tflops" in m for m in log0)
-    assert any("mfu: n/a" in m for m in log0)
+    # no CPU has a peak: the header says so once, instead of a warning
+    assert not any("No dense bf16 peak known" in m for m in log0)
+    assert any("MFU n/a on CPU" in m for m in log0)
+    assert all("mfu n/a" in m for m in log0 if m.startswith("step "))
+
+
+def test_unknown_gpu_warns_and_names_the_override(tmp_path, offline_wandb):
+    dump, results = _run(tmp_path, [], device_name="NVIDIA L4")
+    log0 = results[0]["log"]
+    assert any("No dense bf16 peak known for GPU 'NVIDIA L4'" in m and "peak_tflops" in m for m in log0)
+    assert any("MFU n/a: no peak known for 'NVIDIA L4'" in m for m in log0)
 
 
 def test_float8_on_h200_divides_by_the_8bit_peak(tmp_path, offline_wandb):
@@ -163,4 +176,6 @@ def test_float8_on_h200_divides_by_the_8bit_peak(tmp_path, offline_wandb):
     assert last[keys.MFU_BF16] == pytest.approx(last[keys.MFU] * 1979 / 989, rel=1e-3)
     log0 = results[0]["log"]
     assert any("lower bound" in m and "Compare bf16 and 8-bit runs by tokens/s" in m for m in log0)
-    assert any("mfu vs fp8 peak; vs bf16 peak:" in m for m in log0)
+    step_lines = [m for m in log0 if m.startswith("step ")]
+    assert step_lines and all("of 1979 TFLOPS fp8" in m for m in step_lines)  # one MFU, named
+    assert any("MFU against 1979 TFLOPS dense fp8" in m and keys.MFU_BF16 in m for m in log0)

@@ -1,18 +1,23 @@
-"""`python -m moe_comm report` on two small synthetic runs written by the real JSONL logger."""
+"""`python -m moe_comm report` on small synthetic runs written by the real JSONL logger."""
 
 import json
+import time
+
+import pytest
+from PIL import Image
 
 from moe_comm.__main__ import main as cli_main
 from moe_comm.metrics import keys
 from moe_comm.metrics.processor import JsonlLogger
 
 
-def _write_run(folder, backend, num_sms, tps, dispatch_ms, combine_ms, step_ms):
+def _write_run(folder, backend, num_sms, tps, dispatch_ms, combine_ms, step_ms, recipe="debug_cpu"):
     static = {
-        keys.RECIPE: "debug_cpu",
+        keys.RECIPE: recipe,
         keys.BACKEND: backend,
         keys.BACKEND_OPTIONS: {"num_sms": num_sms, "max_tokens_per_rank": 0},
         keys.DEVICE: "NVIDIA H200",
+        keys.WORLD_SIZE: 2,
         keys.PEAK_DTYPE: "bf16",
         keys.LOCAL_BATCH: 2,
         keys.SEQ_LEN: 256,
@@ -68,3 +73,56 @@ def test_report_two_runs(tmp_path):
 def test_report_without_runs_fails_clearly(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 1
     assert "no metrics.jsonl under" in capsys.readouterr().out
+
+
+PNGS = ("tps.png", "mfu.png", "comm_exposed.png", "memory.png", "loss.png", "step_breakdown.png")
+
+
+def test_every_png_says_what_it_shows(tmp_path):
+    _write_run(tmp_path / "runs" / "a", "nccl", 20, 1000.0, 3.0, 4.0, 100.0)
+    _write_run(tmp_path / "runs" / "b", "nvshmem", 24, 1200.0, 1.0, 1.5, 80.0)
+    out = tmp_path / "r"
+    assert cli_main(["report", str(tmp_path / "runs"), "--out", str(out)]) == 0
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    for name in PNGS:
+        footer = Image.open(out / name).text["Description"]
+        assert "recipe: debug_cpu" in footer, name
+        assert f"hardware: 2 x NVIDIA H200;  date: {today}" in footer, name
+        # options that differ from [moe_comm]'s defaults, per run
+        assert "[moe_comm] options: nccl: defaults;  nvshmem-sm24: num_sms=24" in footer, name
+
+
+def test_one_colour_per_backend(tmp_path):
+    from moe_comm import plots, report
+
+    _write_run(tmp_path / "a", "nccl", 20, 1000.0, 3.0, 4.0, 100.0, recipe="r1")
+    _write_run(tmp_path / "b", "nvshmem", 24, 1200.0, 1.0, 1.5, 80.0, recipe="r1")
+    _write_run(tmp_path / "c", "nccl", 20, 900.0, 3.0, 4.0, 100.0, recipe="r2")
+    runs = [report.load_run(tmp_path / x / "metrics.jsonl") for x in "abc"]
+    styles = report.run_styles(runs)
+    assert styles[0]["color"] == styles[2]["color"] == plots.backend_color("nccl")
+    assert styles[1]["color"] == plots.backend_color("nvshmem") != styles[0]["color"]
+    assert styles[0]["linestyle"] != styles[2]["linestyle"]  # same backend, another recipe
+    labels = report.run_labels(runs)
+    assert len(set(labels)) == 3
+
+
+def test_report_goes_beside_the_runs(tmp_path, monkeypatch):
+    _write_run(tmp_path / "runs" / "a", "nccl", 20, 1000.0, 3.0, 4.0, 100.0)
+    _write_run(tmp_path / "runs" / "b", "nvshmem", 24, 1200.0, 1.0, 1.5, 80.0)
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["report", "runs/a", "runs/b"]) == 0
+    assert (tmp_path / "runs" / "report" / "report.md").is_file()
+    assert not (tmp_path / "report").exists()
+    assert cli_main(["report", "runs/a"]) == 0
+    assert (tmp_path / "runs" / "a" / "report" / "step_breakdown.png").is_file()
+    summary = json.loads((tmp_path / "runs" / "report" / "summary.json").read_text())
+    assert [s["run"] for s in summary] == ["../a", "../b"]  # relative: the folder can move
+
+
+def test_report_without_a_shared_folder_asks_for_out(tmp_path, monkeypatch, capsys):
+    _write_run(tmp_path / "a", "nccl", 20, 1000.0, 3.0, 4.0, 100.0)
+    _write_run(tmp_path / "b", "nccl", 20, 1000.0, 3.0, 4.0, 100.0)
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["report", "a", "b"]) == 1
+    assert "--out" in capsys.readouterr().out and not (tmp_path / "report").exists()

@@ -84,7 +84,7 @@ def wait_for(what: str, ok, timeout: float, slurm: LocalSlurm, log: Path, runnin
 def assert_trained(log: Path, dump: Path, job_id: str) -> list[dict]:
     """The job trained STEPS steps, wrote its metrics, and saved its provenance beside them."""
     text = log.read_text()
-    steps = sorted({int(s) for s in re.findall(r"step:\s*(\d+)", text)})
+    steps = sorted({int(s) for s in re.findall(r"- INFO - step +(\d+)/", text)})
     assert steps and steps[-1] == STEPS, f"log shows steps {steps}, expected up to {STEPS}:\n{text[-4000:]}"
     metrics = dump / "metrics.jsonl"
     assert metrics.exists(), f"no metrics in {dump}: {sorted(p.name for p in dump.iterdir())}"
@@ -135,11 +135,11 @@ def test_cpu_recipe_two_nodes_rendezvous(slurm, tmp_path):
 
 def test_directives_are_honoured_by_slurm(slurm):
     """Submit the 671B job held, and read back what Slurm made of its directives."""
-    # A real submit checks the recipe's files; the DeepSeek-V3 tokenizer is not in CI, the tiny
-    # one stands in (the held job never runs).
+    # A real submit checks the recipe's files; the DeepSeek-V3 tokenizer and the c4 shards on
+    # /data are not in CI, the tiny ones stand in (the held job never runs).
     proc = submit(slurm, RECIPES_B200["671B"], "--cluster.partition", GPU_PARTITION,
                   "--cluster.time", "02:00:00", "--cluster.sbatch_args", "--hold",
-                  "--model.hf_assets_path", "./assets/tiny")
+                  "--model.hf_assets_path", "./assets/tiny", "--training.dataset_path", "./assets/tiny/c4_tiny")
     assert proc.returncode == 0, proc.stderr
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     try:

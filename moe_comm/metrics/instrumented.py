@@ -17,6 +17,10 @@ backend, that records per MoE layer
   rank (device tensor, for bytes), from topk_idx_TK with scatter/sum kernels, never `.item()`.
   Counted in the first forward only (not in recomputation); backward bytes equal forward bytes.
 
+- start-up: the process's first dispatch is where a backend starts its runtime (NVSHMEM
+  initialisation and symmetric buffers for nvshmem); its wall time is reported on step 1's
+  console line (moe_comm.console.watch), and the start-up watch names it while it runs.
+
 Set MOE_COMM_INSTRUMENT=0 to get the bare backend back (to measure this module's cost).
 """
 
@@ -29,6 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moe_comm import console
 from moe_comm.backends.base import DispatchResult
 from moe_comm.metrics import keys
 
@@ -45,6 +50,7 @@ PHASES = ("dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd")
 Stamp = torch.cuda.Event | float
 
 _registry: list[weakref.ref] = []
+_first_dispatch_done = False
 
 
 def instrument(backend):
@@ -238,6 +244,10 @@ class InstrumentedBackend:
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor
     ) -> DispatchResult:
+        global _first_dispatch_done
+        if not _first_dispatch_done:
+            _first_dispatch_done = True
+            return self._first_dispatch(x_TD, topk_idx_TK, topk_w_TK)
         if not self._active():
             return self.backend.dispatch(x_TD, topk_idx_TK, topk_w_TK)
         self.stats.calls += 1
@@ -267,6 +277,17 @@ class InstrumentedBackend:
         if recv_x_RD.requires_grad:
             recv_x_RD = _OnBackward.apply(recv_x_RD, backward.begin)
         return DispatchResult(recv_x_RD, result.tokens_per_expert_L, result.handle)
+
+    def _first_dispatch(
+        self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor
+    ) -> DispatchResult:
+        """The process's first dispatch, timed on the host: a backend's one-time start-up."""
+        console.watch.phase(f"running the first dispatch through the {self.name} backend (its one-time start-up)")
+        start = time.perf_counter()
+        result = self.dispatch(x_TD, topk_idx_TK, topk_w_TK)
+        console.watch.add_time(f"first {self.name} dispatch", time.perf_counter() - start)
+        console.watch.phase("running the first step")
+        return result
 
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
         if not self._active():

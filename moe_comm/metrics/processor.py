@@ -1,9 +1,12 @@
-"""TorchTitan's MetricsProcessor plus the MoE comm breakdown, the right MFU peak and a JSONL file.
+"""TorchTitan's MetricsProcessor plus the MoE comm breakdown, the right MFU peak, a JSONL file
+and one console line per step.
 
 It extends, not replaces, TorchTitan's processor: TorchTitan still computes loss, tokens/s,
 TFLOPS, MFU and memory and sends them to its loggers; we pass our numbers in as its
 `extra_metrics`, set the peak MFU divides by, add a JSONL logger next to W&B/TensorBoard, and
-print a second console line with the comm breakdown right after TorchTitan's.
+build the console's step line (moe_comm.metrics.step_line) from TorchTitan's metrics and ours.
+TorchTitan's own step line still goes to the rank's log file (moe_comm.console). Under
+pipeline parallelism the stages share their loss and comm (moe_comm.metrics.pipeline).
 
 "Comm not hidden" (moe_comm/comm_exposed(%)) = time the compute stream spends inside dispatch
 and combine, forward and backward, all MoE layers (moe_comm/comm_ms), over the wall time of a
@@ -13,11 +16,13 @@ step (moe_comm/step_ms). See moe_comm.metrics.instrumented for how the intervals
 import json
 import math
 import os
+import statistics
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torchtitan.tools.utils as titan_utils
 from torchtitan.components.metrics import (
     _get_metrics_rank,
     BaseLogger,
@@ -25,10 +30,14 @@ from torchtitan.components.metrics import (
     MetricsProcessor,
 )
 from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import Color, NoColor
 
+from moe_comm import console
 from moe_comm.metrics import keys, naming
 from moe_comm.metrics.instrumented import instrumented_backends, SENDS_ONCE_PER_RANK, summarize
 from moe_comm.metrics.peaks import resolve_peak
+from moe_comm.metrics.pipeline import PipelineStages
+from moe_comm.metrics.step_line import format_duration, StepLine
 
 JSONL_NAME = keys.JSONL_NAME
 
@@ -64,12 +73,33 @@ class JsonlLogger(BaseLogger):
         self._file.close()
 
 
+class _KeepLast(BaseLogger):
+    """In front of TorchTitan's loggers: keeps the metrics dict its MetricsProcessor.log just
+    computed (tokens/s, MFU, memory), on every rank, for the step line."""
+
+    def __init__(self, inner: BaseLogger):
+        self.inner = inner
+        self.metrics: dict[str, Any] = {}
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.metrics = dict(metrics)
+        self.inner.log(metrics, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class MoECommMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
         self.moe_comm = naming.moe_comm_config(job_config)
         if job_config.metrics.enable_wandb:
             naming.set_wandb_env_defaults(job_config)
+            # W&B's own banner and end-of-run summary are some thirty console lines; the header
+            # says where the run goes and the footer prints an offline run's `wandb sync`.
+            os.environ.setdefault("WANDB_SILENT", "true")
         super().__init__(job_config, parallel_dims, tag)
+        self.color = Color() if console.use_color() and not job_config.metrics.disable_color_printing else NoColor()
+        self.on_cpu = titan_utils.device_type == "cpu"
 
         self.peak = resolve_peak(
             self.device_memory_monitor.device_name,
@@ -77,10 +107,8 @@ class MoECommMetricsProcessor(MetricsProcessor):
             self.moe_comm.peak_tflops,
         )
         self.gpu_peak_flops = self.peak.flops
-        if self.peak.warning:
-            logger.warning(f"{self.color.yellow}MFU: {self.peak.warning}{self.color.reset}")
-        else:
-            logger.info(f"MFU against {self.peak.tflops:g} TFLOPS dense {self.peak.dtype} ({self.peak.source})")
+        if self.peak.warning and self.device_memory_monitor.device_name != "CPU":  # the header says it
+            logger.warning(f"MFU: {self.peak.warning}")
 
         self.static_fields = {
             keys.RECIPE: naming.recipe_name(job_config),
@@ -94,29 +122,81 @@ class MoECommMetricsProcessor(MetricsProcessor):
             keys.SEQ_LEN: job_config.training.seq_len,
             keys.SENDS_PER: "rank" if self.moe_comm.backend in SENDS_ONCE_PER_RANK else "expert",
         }
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.is_metrics_rank = rank == _get_metrics_rank(parallel_dims, job_config)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.metrics_rank = _get_metrics_rank(parallel_dims, job_config)
+        self.is_metrics_rank = self.rank == self.metrics_rank
+        self.jsonl_path = os.path.join(job_config.job.dump_folder, JSONL_NAME)
         if self.is_metrics_rank:
             if not isinstance(self.logger, LoggerContainer):
                 self.logger = LoggerContainer()  # TorchTitan's no-op logger: nothing enabled
-            self.jsonl_path = os.path.join(job_config.job.dump_folder, JSONL_NAME)
             self.logger.add_logger(JsonlLogger(self.jsonl_path, self.static_fields))
-        self.wandb_sync_dir = self._decorate_wandb_run(job_config, parallel_dims.world_size)
-        self._last_logged_step = 0
+        self.wandb_sync_dir, wandb_url = self._decorate_wandb_run(job_config, parallel_dims.world_size)
+        self.logger = _KeepLast(self.logger)
+        self.stages = PipelineStages(parallel_dims, job_config) if parallel_dims.pp_enabled else None
+        self.log_path = console.open_log_file(job_config.job.dump_folder, self.rank)
 
-    def _decorate_wandb_run(self, job_config, world_size: int) -> str | None:
-        """Tags and our static fields on the W&B run TorchTitan opened; its offline folder."""
+        self._started = time.perf_counter()
+        self._last_logged_step = 0
+        self._first_log: tuple[int, float] | None = None  # (step, time) of the first log line
+        self._losses: list[float] = []
+        self._step_seconds: list[float] = []
+        for line in self._header(wandb_url):
+            console.show(line)
+        console.watch.start("setting up the model (sharding, weight init, checkpoint load)")
+
+    def _decorate_wandb_run(self, job_config, world_size: int) -> tuple[str | None, str | None]:
+        """Tags and our static fields on the W&B run TorchTitan opened; (its offline folder,
+        its URL when online)."""
         if not (job_config.metrics.enable_wandb and self.is_metrics_rank):
-            return None
+            return None, None
         try:
             import wandb
         except ImportError:  # TorchTitan has already logged that W&B is off for this reason
-            return None
+            return None, None
         if wandb.run is None:
-            return None
+            return None, None
         wandb.run.tags = tuple(naming.run_tags(job_config, world_size))
         wandb.run.config.update({"moe_comm_run": self.static_fields}, allow_val_change=True)
-        return wandb.run.settings.sync_dir if wandb.run.settings.mode == "offline" else None
+        if wandb.run.settings.mode == "offline":
+            return wandb.run.settings.sync_dir, None
+        return None, wandb.run.url
+
+    def _header(self, wandb_url: str | None) -> list[str]:
+        """Two lines: what runs where, and where its numbers go."""
+        pd, jc = self.parallel_dims, self.job_config
+        layout = ", ".join(
+            f"{name} {degree}"
+            for name, degree in (("pp", pd.pp), ("dp_replicate", pd.dp_replicate), ("dp_shard", pd.dp_shard),
+                                 ("cp", pd.cp), ("tp", pd.tp), ("ep", pd.ep))
+            if degree > 1
+        ) or "one rank"
+        backend = self.moe_comm.backend
+        if backend != "nccl":
+            backend += f" ({self.moe_comm.num_sms} SMs)"
+        device = self.device_memory_monitor.device_name
+        run = (
+            f"moe_comm: {self.static_fields[keys.RECIPE]}, backend {backend}, "
+            f"{pd.world_size} x {device} ({layout}), {jc.training.steps} steps"
+        )
+        if device == "CPU":
+            mfu = "MFU n/a on CPU"
+        elif not self.peak.known:
+            mfu = f"MFU n/a: no peak known for {device!r} (set [moe_comm] peak_tflops)"
+        else:
+            mfu = f"MFU against {self.peak.tflops:g} TFLOPS dense {self.peak.dtype} ({self.peak.source})"
+            if self.peak.dtype != "bf16":
+                mfu += f"; against the bf16 peak in {keys.MFU_BF16}"
+        where = f"metrics {self.jsonl_path}" + ("" if self.is_metrics_rank else f" (rank {self.metrics_rank})")
+        if jc.metrics.enable_wandb:
+            if not self.is_metrics_rank:
+                where += f", W&B from rank {self.metrics_rank}"
+            elif wandb_url:
+                where += f", W&B {wandb_url}"
+            elif self.wandb_sync_dir:
+                where += ", W&B offline (the sync command comes at the end)"
+        if self.log_path:
+            where += f", full log {self.log_path}"
+        return [run, f"moe_comm: {mfu}; {where}"]
 
     def log(
         self,
@@ -126,12 +206,21 @@ class MoECommMetricsProcessor(MetricsProcessor):
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
     ):
+        console.watch.stop()
         steps = max(step - self._last_logged_step, 1)
-        time_delta = time.perf_counter() - self.time_last_log
-        ours = summarize(instrumented_backends(), steps)
-        if ours:
-            ours[keys.STEP_MS] = 1e3 * time_delta / steps
-            ours[keys.COMM_EXPOSED_PCT] = 100 * ours[keys.COMM_MS] / ours[keys.STEP_MS]
+        step_s = (time.perf_counter() - self.time_last_log) / steps
+        backends = instrumented_backends()
+        mine = summarize(backends, steps)  # this rank's MoE layers (collective over its EP group)
+        if mine:
+            mine[keys.STEP_MS] = 1e3 * step_s
+            mine[keys.COMM_EXPOSED_PCT] = 100 * mine[keys.COMM_MS] / mine[keys.STEP_MS]
+        ours = dict(mine)
+        if self.stages:
+            global_avg_loss, global_max_loss, ours = self.stages.gather(
+                global_avg_loss, global_max_loss, mine, len(backends), 1e3 * step_s
+            )
+        ours[keys.STEP_MS] = 1e3 * step_s
+        if keys.COMM_MS in ours:
             comm_s = ours[keys.COMM_MS] / 1e3
             ours[keys.COMM_BW] = ours[keys.SENT_GB] / comm_s if comm_s > 0 else math.nan
         # TorchTitan's tokens/s formula, for the second MFU against the bf16 peak; timed just
@@ -148,39 +237,61 @@ class MoECommMetricsProcessor(MetricsProcessor):
             grad_norm,
             extra_metrics={**(extra_metrics or {}), **ours},
         )
-        logger.info(self._console_line(step, ours))
-        if self._last_logged_step == 0:
-            logger.info(
-                f"mfu(%) divides by {self.peak.tflops:g} TFLOPS ({self.peak.dtype}, {self.peak.source}); "
-                "TorchTitan's start-up line 'Peak FLOPS used for computing MFU' is its own table "
-                "and is not what is logged"
-            )
+        console.show(self._step_line(step, global_avg_loss, grad_norm, step_s, mine).format(self.color))
+        self._losses.append(global_avg_loss)
+        self._step_seconds.append(step_s)
         self._last_logged_step = step
 
-    def _console_line(self, step: int, m: dict[str, Any]) -> str:
-        c = self.color
-        line = f"{c.red}step: {step:2}  {c.yellow}moe_comm[{self.moe_comm.backend}]"
-        if keys.COMM_MS in m:
-            line += (
-                f"  {c.blue}dispatch: {m[keys.DISPATCH_MS]:.2f}ms"
-                f"  combine: {m[keys.COMBINE_MS]:.2f}ms"
-                f"  {c.cyan}comm: {m[keys.COMM_EXPOSED_PCT]:.1f}% of {m[keys.STEP_MS]:.0f}ms step"
-                f"  {c.orange}imbalance rank/expert: {m[keys.IMBALANCE_RANK]:.2f}"
-                f"/{m[keys.IMBALANCE_EXPERT]:.2f}"
-                f"  {c.turquoise}sent: {m[keys.SENT_GB]:.3f}GB"
-            )
+    def _step_line(self, step: int, loss: float, grad_norm: float, step_s: float, mine: dict) -> StepLine:
+        titan = self.logger.metrics  # what TorchTitan's log just computed
+        now = time.time()
+        if self._first_log is None:
+            self._first_log = (step, now)
+            eta_s = None
         else:
-            line += "  comm not measured (no EP, MoE comm inside torch.compile, or MOE_COMM_INSTRUMENT=0)"
-        if not self.peak.known:
-            line += f"  {c.magenta}mfu: n/a (unknown GPU; set [moe_comm] peak_tflops)"
-        elif self.peak.dtype != "bf16":
-            line += f"  {c.magenta}mfu vs {self.peak.dtype} peak; vs bf16 peak: {m[keys.MFU_BF16]:.2f}%"
-        return line + c.reset
+            first_step, first_time = self._first_log
+            eta_s = (now - first_time) / (step - first_step) * (self.job_config.training.steps - step)
+        measured = keys.COMM_MS in mine
+        if measured:
+            note = ""
+        elif not self.parallel_dims.ep_enabled:
+            note = "no expert parallelism"
+        elif os.environ.get("MOE_COMM_INSTRUMENT", "1") == "0":
+            note = "MOE_COMM_INSTRUMENT=0"
+        else:
+            note = "no MoE layer on this rank, or MoE comm inside torch.compile"
+        return StepLine(
+            step=step,
+            total_steps=self.job_config.training.steps,
+            seconds_per_step=step_s,
+            eta_s=eta_s,
+            loss=loss,
+            grad_norm=grad_norm,
+            tokens_per_s=titan[keys.TPS],
+            mfu_pct=titan[keys.MFU],
+            peak=self.peak,
+            mem_gib=None if self.on_cpu else titan[keys.MEM_RESERVED],
+            mem_pct=None if self.on_cpu else titan["memory/max_reserved(%)"],
+            dispatch_ms=mine[keys.DISPATCH_MS] if measured else None,
+            combine_ms=mine[keys.COMBINE_MS] if measured else None,
+            comm_pct=mine[keys.COMM_EXPOSED_PCT] if measured else None,
+            comm_note=note,
+            pp_stage=(self.stages.rank, self.stages.size) if self.stages else None,
+            first_step=console.watch.summary() if len(self._losses) == 0 else "",
+        )
 
     def close(self):
+        console.watch.stop()
         super().close()
+        if self._losses:
+            steady = self._step_seconds[1:] or self._step_seconds
+            console.show(
+                f"moe_comm: done at step {self._last_logged_step}/{self.job_config.training.steps} in "
+                f"{format_duration(time.perf_counter() - self._started)}; loss {self._losses[0]:.4f} -> "
+                f"{self._losses[-1]:.4f}; median {statistics.median(steady):.2f} s/step after the first"
+            )
         if self.wandb_sync_dir:
-            logger.info(f"W&B run saved offline. Upload it with: wandb sync {self.wandb_sync_dir}")
+            console.show(f"W&B run saved offline. Upload it with: wandb sync {self.wandb_sync_dir}")
 
 
 def build_metrics_processor(

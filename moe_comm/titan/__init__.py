@@ -3,6 +3,8 @@
 
 TorchTitan's trainer imports this module before it reads the device or starts the process
 group, so importing it:
+  0. routes TorchTitan's log: one console line per step, everything else in a per-rank log
+     file (moe_comm.console);
   1. applies the CPU adaptations (moe_comm.titan.cpu) when CUDA is absent;
   2. adds our flavors ("671B_layers") to TorchTitan's deepseekv3_args;
   3. registers two train specs:
@@ -15,6 +17,10 @@ group, so importing it:
 import dataclasses
 
 import torch
+
+from moe_comm import console
+
+console.setup()
 
 if not torch.cuda.is_available():
     from moe_comm.titan import cpu

@@ -14,7 +14,7 @@ from torch.distributed.tensor import distribute_module, distribute_tensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module, ParallelStyle
 from torchtitan.tools.logging import logger
 
-from moe_comm import metrics
+from moe_comm import console, metrics
 from moe_comm.backends import build_backend, MoELayerSpec
 from moe_comm.config import MoEComm
 from moe_comm.titan.model import TokenLevelMoE
@@ -36,6 +36,10 @@ class BackendExpertParallel(ParallelStyle):
 def apply_backend_ep(model: nn.Module, ep_mesh: DeviceMesh, config: MoEComm) -> None:
     """Attach a backend (wrapped by moe_comm.metrics.instrument) to every MoE layer's experts."""
     ep_group = ep_mesh.get_group()
+    console.watch.phase(
+        f"building the {config.backend!r} backend for each MoE layer (the first nvshmem run on a "
+        "machine compiles its CUDA kernels, about a minute)"
+    )
     for block in model.layers.values():
         if not block.moe_enabled:
             continue
@@ -54,3 +58,4 @@ def apply_backend_ep(model: nn.Module, ep_mesh: DeviceMesh, config: MoEComm) -> 
         parallelize_module(moe.experts, ep_mesh, BackendExpertParallel())
         moe.comm_backend = metrics.instrument(build_backend(config, layer, ep_group))
     logger.info(f"MoE dispatch/combine through the {config.backend!r} backend (moe_comm)")
+    console.watch.phase("setting up the model (sharding, weight init, checkpoint load)")
