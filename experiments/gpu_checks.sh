@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# On a GPU machine (2 GPUs): build csrc/, run the nvshmem correctness cases on 1 and 2 GPUs, and
-# the dispatch/combine benchmark. Usage: experiments/gpu_checks.sh OUT_DIR [cases|bench|all]
-# Every step keeps NVLink multicast off (it can take a shared host down).
+# On a GPU machine (any number of GPUs): build csrc/ and DeepEP v1.2.1, run the GPU tests (the
+# nvshmem cases at 1-8 ranks and on virtual nodes, sharing GPUs under CUDA MPS where there are
+# fewer GPUs than ranks; the hang, capacity and preflight tests; the deepep cases), then the
+# dispatch/combine benchmark on every GPU of the machine.
+# Usage: experiments/gpu_checks.sh OUT_DIR [tests|bench|all] [DEEPEP_SOURCE]
+# DEEPEP_SOURCE: a DeepEP v1.2.1 folder or `git archive` of it (machines without network).
+# Every step keeps NVLink multicast off (the device machines' rule; it can take a shared host down).
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh OUT_DIR [cases|bench|all]}
+out=${1:?usage: gpu_checks.sh OUT_DIR [tests|bench|all] [DEEPEP_SOURCE]}
 what=${2:-all}
+deepep=${3:-}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MOE_COMM_INIT_TIMEOUT=${MOE_COMM_INIT_TIMEOUT:-60}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MOE_COMM_INIT_TIMEOUT=${MOE_COMM_INIT_TIMEOUT:-120}
 py=${PYTHON:-python3}
+gpus=$($py -c "import torch; print(torch.cuda.device_count())")
 
 if [ -z "${MOE_COMM_LIBRARY:-}" ]; then
   start=$(date +%s)
@@ -16,19 +22,18 @@ if [ -z "${MOE_COMM_LIBRARY:-}" ]; then
   echo "build: $(( $(date +%s) - start )) s"
   export MOE_COMM_LIBRARY=/tmp/moe_comm_build/moe_comm_cuda.so
 fi
+if ! $py -c "import deep_ep" 2>/dev/null; then
+  $py -m moe_comm build-deepep ${deepep:+--source "$deepep"} > "$out/deepep_build.log" 2>&1 || tail -20 "$out/deepep_build.log"
+fi
 
-if [ "$what" = cases ] || [ "$what" = all ]; then
-  for n in 1 2; do
-    timeout 240 $py -m torch.distributed.run --standalone --nproc_per_node $n tests/gpu/nvshmem_cases.py \
-      "$out/cases_$n.json" > "$out/cases_$n.log" 2>&1
-    echo "cases on $n GPU(s): exit $?"; grep -E "PASS|FAIL" "$out/cases_$n.log" | head -20
-  done
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  MOE_COMM_GPU_REPORTS="$out" $py -m pytest -m gpu -q -p no:cacheprovider tests/test_nvshmem_gpu.py \
+    tests/test_deepep_gpu.py -rf 2>&1 | tee "$out/pytest_gpu.log" | tail -20
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  $py experiments/bench_comm.py p2p "$out/bench_p2p.json" 2>&1 | tail -2
-  timeout 300 $py -m torch.distributed.run --standalone --nproc_per_node 2 experiments/bench_comm.py run \
-    "$out/bench_main.json" --backends nvshmem nccl --num-sms ${NUM_SMS:-20 24 32 64} 2>&1 | tee "$out/bench_main.log" | grep -v Warning | tail -20
-  timeout 120 $py -m torch.distributed.run --standalone --nproc_per_node 2 experiments/bench_comm.py run \
-    "$out/bench_symm.json" --backends torch_symm 2>&1 | tee "$out/bench_symm.log" | grep -v Warning | tail -8
+  [ "$gpus" -ge 2 ] && $py experiments/bench_comm.py p2p "$out/bench_p2p.json" 2>&1 | tail -2
+  timeout 600 $py -m torch.distributed.run --standalone --nproc_per_node "$gpus" experiments/bench_comm.py run \
+    "$out/bench_main.json" --backends nvshmem nccl deepep --num-sms ${NUM_SMS:-20 24 32 64} 2>&1 \
+    | tee "$out/bench_main.log" | grep -v Warning | tail -30
 fi

@@ -77,7 +77,32 @@ def report(r: recipe.Recipe, gpu: str) -> str:
         f"{'' if cap == float('inf') else f'{cap:.0f} GiB: '}{verdict}",
     ]
     lines += _scale_model_lines(r, gpu)
+    lines += _nvshmem_buffer_lines(r, args)
     return "\n".join(lines)
+
+
+def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
+    """The nvshmem backend's buffers, sized from the recipe as its runtime will size them."""
+    from moe_comm.kernels import capacity
+
+    c = r.config
+    if c.moe_comm.backend != "nvshmem" or r.layout.ep <= 1:
+        return []
+    mc, t, lay = c.moe_comm, c.training, r.layout
+    per_node = mc.virtual_node_size or min(lay.ep, lay.procs_per_node)
+    tokens = mc.max_tokens_per_rank or t.local_batch_size * t.seq_len
+    if lay.pp > 1:
+        tokens = mc.max_tokens_per_rank or c.parallelism.pipeline_parallel_microbatch_size * t.seq_len
+    m = args.moe_args
+    row = args.dim * (4 if t.mixed_precision_param == "float32" else 2)
+    s = capacity.buffer_sizes(tokens, m.num_experts, m.top_k, row, lay.ep, per_node, mc.recv_capacity_factor)
+    rows = capacity.expert_rows(tokens, m.num_experts, m.top_k, lay.ep, mc.recv_capacity_factor, 8)
+    return [
+        f"nvshmem     {s.nodes} node(s) x {per_node} per EP group, {tokens} tokens per call; buffers per rank "
+        f"(recv_capacity_factor {mc.recv_capacity_factor:g}): {per_node} x {s.fwd_slots:,} recv slots, "
+        f"{s.net_slots:,} net slots, {s.send_slots:,} send slots, {rows:,} expert rows; "
+        f"symmetric heap ~{s.symmetric_bytes() / estimate.GiB:.1f} GiB",
+    ]
 
 
 def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:

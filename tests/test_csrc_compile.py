@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe_comm.kernels.build import build, cache_key, cuda_home, nvshmem_root
+from moe_comm.kernels import build as build_module
+from moe_comm.kernels.build import CSRC, build, cache_key, cuda_home, nvshmem_root
 
 
 def test_nvshmem_wheel_has_what_the_build_needs():
@@ -23,17 +24,29 @@ def test_kernels_compile_and_device_link_for_sm90_and_sm100(tmp_path):
     dlink = build(("90", "100"), tmp_path, compile_only=True)
     assert dlink.name == "dlink.o" and dlink.stat().st_size > 0
     objects = sorted(p.name for p in (tmp_path / "obj").glob("*.o"))
-    assert objects == ["collect_grad_w.o", "combine.o", "combine_backward.o", "dispatch.o", "dlink.o", "expand.o",
-                       "reduce.o", "runtime.o"]
+    # Every kernel and host file of the tree, subfolders included, has its object.
+    sources = sorted(list(CSRC.rglob("*.cu")) + list(CSRC.rglob("*.cpp")))
+    assert {"comm", "layout", "internode", "runtime", "ops"} <= {p.parent.name for p in sources}
+    assert objects == sorted([build_module._object_name(p) for p in sources] + ["dlink.o"])
     cuobjdump = shutil.which("cuobjdump") or str(cuda_home() / "bin" / "cuobjdump")
     if Path(cuobjdump).exists():  # where the toolkit ships it: both targets are real SASS
-        sass = subprocess.run([cuobjdump, "--list-elf", str(tmp_path / "obj" / "dispatch.o")],
+        sass = subprocess.run([cuobjdump, "--list-elf", str(tmp_path / "obj" / "comm__dispatch.o")],
                               capture_output=True, text=True, check=True)
         assert "sm_90" in sass.stdout and "sm_100" in sass.stdout
 
 
 def test_cache_key_changes_with_the_architecture():
     assert cache_key(("90",)) != cache_key(("100",))
+
+
+def test_cache_key_covers_headers_in_subfolders(tmp_path, monkeypatch):
+    tree = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree)
+    monkeypatch.setattr(build_module, "CSRC", tree)
+    before = cache_key(("90",))
+    header = tree / "common" / "limits.h"
+    header.write_text(header.read_text() + "\n// touched\n")
+    assert cache_key(("90",)) != before
 
 
 def test_build_verb_is_wired():
