@@ -1,4 +1,5 @@
-"""What the nvshmem backend decides before any GPU work: capacity sizing and bad input."""
+"""What the nvshmem backend decides before any GPU work: capacity sizing, and building it where
+it cannot run (its rules themselves: tests/test_backend_checks.py)."""
 
 import pytest
 import torch.distributed as dist
@@ -7,6 +8,7 @@ from moe_comm.backends import build_backend
 from moe_comm.backends.base import MoELayerSpec
 from moe_comm.backends.nvshmem import receive_capacity
 from moe_comm.config import MoEComm
+from moe_comm.errors import RecipeError
 
 
 @pytest.fixture(scope="module")
@@ -27,27 +29,10 @@ def test_receive_capacity_worst_case_and_factor():
     assert receive_capacity(100, small, ep_size=4, factor=10.0, align=16) == 100 * 4 * 2 + 2 * 15
 
 
-def test_score_before_experts_is_refused_with_the_fix(group):
-    layer = MoELayerSpec(num_experts=8, top_k=2, hidden=256, score_before_experts=True)
-    with pytest.raises(ValueError, match='backend = "nccl"'):
-        build_backend(MoEComm(backend="nvshmem"), layer, group)
-
-
-def test_top_k_above_kernel_bound_is_refused(group):
-    layer = MoELayerSpec(num_experts=64, top_k=9, hidden=256)
-    with pytest.raises(ValueError, match="top_k=9"):
-        build_backend(MoEComm(backend="nvshmem"), layer, group)
-
-
-def test_num_sms_must_be_positive(group):
+def test_building_on_a_cpu_machine_asks_the_same_check(group):
+    """The backend's constructor runs check_run with what the process sees: no CUDA here."""
     layer = MoELayerSpec(num_experts=8, top_k=2, hidden=256)
-    with pytest.raises(ValueError, match="num_sms"):
-        build_backend(MoEComm(backend="nvshmem", num_sms=0), layer, group)
-
-
-def test_cpu_only_machine_gets_a_clear_error(group):
-    layer = MoELayerSpec(num_experts=8, top_k=2, hidden=256)
-    with pytest.raises(RuntimeError, match="needs CUDA GPUs"):
+    with pytest.raises(RecipeError, match='needs CUDA GPUs and this run is on cpu; on CPU use backend = "nccl"'):
         build_backend(MoEComm(backend="nvshmem"), layer, group)
 
 
