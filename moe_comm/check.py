@@ -4,10 +4,7 @@ dispatch/combine volume (how each is computed: moe_comm.estimate)."""
 
 import argparse
 
-from moe_comm import estimate, recipe
-
-# Usable memory per GPU for the verdict line (what the device reports, GiB).
-GPU_MEMORY_GIB = {"H200": 139.8, "H100": 79.1, "B200": 178.4, "cpu": float("inf")}
+from moe_comm import estimate, gpus, recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,32 +18,32 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=None, help="override [cluster] gpus_per_node")
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default=None,
-        help="validate for this device (default: cuda if this machine has GPUs, else cpu; "
-        "GPU recipes are checked for cuda)",
+        help="validate for this device (default: what the recipe says, [cluster] request_gpus)",
     )
     parser.add_argument(
         "--skip-files", action="store_true",
         help="do not require the tokenizer/dataset paths to exist here (checking a cluster recipe elsewhere)",
     )
-    parser.add_argument("--gpu", default=None, choices=sorted(GPU_MEMORY_GIB), help="GPU model for the fit verdict")
+    parser.add_argument(
+        "--gpu", default=None, choices=gpus.MODELS,
+        help="the GPU the recipe will run on, for the fit verdict and the SM budget (default: this "
+        "machine's, if it has one)",
+    )
 
 
-def guess_device(path: str) -> str:
-    """GPU recipes are checked as GPU recipes even on a CPU machine: the name says which."""
-    return "cpu" if "cpu" in path.rsplit("/", 1)[-1] else "cuda"
+def _verdict(total_gib: float, r: recipe.Recipe) -> str:
+    if r.device == "cpu":
+        return "cpu"
+    gpu = gpus.lookup(r.plan.gpu)
+    if gpu is None:
+        return "GPU not known here: pass --gpu for a fit verdict"
+    fits = "fits" if total_gib <= 0.9 * gpu.memory_gib else "DOES NOT FIT (keep 10% headroom)"
+    return f"{gpu.model} {gpu.memory_gib:.0f} GiB: {fits}"
 
 
-def guess_gpu(path: str) -> str:
-    name = path.rsplit("/", 1)[-1]
-    for gpu in ("b200", "h200", "h100"):
-        if gpu in name:
-            return gpu.upper()
-    return "cpu" if "cpu" in name else "H200"
-
-
-def report(r: recipe.Recipe, gpu: str) -> str:
+def report(r: recipe.Recipe) -> str:
     c, lay = r.config, r.layout
-    args = recipe._flavor_args(c)
+    args = recipe.flavor_args(c)
     params = estimate.count_params(args)
     t = c.training
     mem = estimate.memory_per_gpu(
@@ -55,8 +52,6 @@ def report(r: recipe.Recipe, gpu: str) -> str:
     )
     vol = estimate.comm_volume(args, lay, t.local_batch_size, t.seq_len)
     G = estimate.GiB
-    cap = GPU_MEMORY_GIB[gpu]
-    verdict = "fits" if mem.total / G <= 0.9 * cap else "DOES NOT FIT (keep 10% headroom)"
     lines = [
         f"recipe      {r.path}",
         f"model       {c.model.name} flavor {c.model.flavor}: {params.total / 1e9:.2f}B params, "
@@ -70,24 +65,26 @@ def report(r: recipe.Recipe, gpu: str) -> str:
         f"converters {c.model.converters or 'none'}",
         f"memory/GPU  {mem.total / G:.1f} GiB = model states {mem.model_states / G:.1f} (16 B/param sharded) "
         f"+ FSDP working set {mem.fsdp_working_set / G:.1f} + activations {mem.activations / G:.1f} "
-        f"+ logits {mem.logits / G:.1f}; {gpu} {'' if cap == float('inf') else f'{cap:.0f} GiB: '}{verdict}",
+        f"+ logits {mem.logits / G:.1f}; {_verdict(mem.total / G, r)}",
         f"MoE comm    per rank per MoE layer: {vol.rows_per_layer} rows dispatched "
         f"({vol.remote_fraction:.0%} remote; {vol.dedup_rows_per_layer:.0f} remote rows with per-rank dedup); "
         f"per step (fwd+bwd, dispatch+combine, bf16, this rank's MoE layers): "
         f"{vol.bytes_per_step / G:.2f} GiB remote",
     ]
+    lines += [f"note        {note}" for note in r.notes]
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
     overrides = recipe.split_cli_overrides(args, _add_check_flags)
-    device = args.device or guess_device(args.recipe)
+    machine = gpus.this_machine()
     try:
         r = recipe.load(
             args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-            device=device, check_paths=not args.skip_files,
+            device=args.device, gpu=args.gpu or (machine[0] if machine else ""),
+            check_paths=not args.skip_files,
         )
     except recipe.RecipeError as e:
         return recipe.main_error(e)
-    print(report(r, args.gpu or guess_gpu(args.recipe)))
+    print(report(r))
     return 0
