@@ -3,6 +3,7 @@
 
 TorchTitan's trainer imports this module before it reads the device or starts the process
 group, so importing it:
+  0. starts the rank's heartbeat (moe_comm.heartbeat) when `moe_comm train` launched it;
   1. applies the CPU adaptations (moe_comm.titan.cpu) when CUDA is absent;
   2. adds our flavors ("671B_layers") to TorchTitan's deepseekv3_args;
   3. registers two train specs:
@@ -15,6 +16,10 @@ group, so importing it:
 import dataclasses
 
 import torch
+
+from moe_comm import heartbeat
+
+heartbeat.start()  # a rank of `moe_comm train`: liveness for hang reports, and die with torchrun
 
 if not torch.cuda.is_available():
     from moe_comm.titan import cpu
