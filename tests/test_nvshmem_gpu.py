@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm.launch import GPU_ENV
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.device_env import DEVICE_ENV  # noqa: E402  NVLink multicast off on the lent machines
 
 torch = pytest.importorskip("torch")
 
@@ -33,7 +35,6 @@ CASES = [
     "cuda_graph_replay",
     "bad_input_errors",
 ]
-ROOT = Path(__file__).resolve().parents[1]
 _reports: dict[int, dict] = {}
 
 
@@ -42,7 +43,7 @@ def run_cases(num_gpus: int, tmp_dir: Path) -> dict:
         if torch.cuda.device_count() < num_gpus:
             pytest.fail(f"this test needs {num_gpus} GPUs; the machine has {torch.cuda.device_count()}")
         report = tmp_dir / f"nvshmem_cases_{num_gpus}.json"
-        env = dict(os.environ, **GPU_ENV)
+        env = dict(os.environ, **DEVICE_ENV)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_gpus}",
                str(ROOT / "tests" / "gpu" / "nvshmem_cases.py"), str(report)]
