@@ -37,7 +37,6 @@ SHAPES = {
 }
 WARMUP, ITERS = 10, 50
 P2P_BYTES = 1 << 30
-DEEPEP_V1_REFERENCE_US = {"dispatch": 353.0, "combine": 393.0}  # NOTES.md §4, same machine and shape, 24 SMs
 
 
 def make_routing(T, E, K, mode, rank, device):
@@ -366,16 +365,6 @@ def report(inputs: list[Path], json_out: Path) -> None:
         ref = best_nvshmem.get(r["shape"])
         if ref and r["backend"] != "nvshmem":
             r["nvshmem_speedup"] = r["round_trip_us"] / ref["round_trip_us"]
-    dsv3 = best_nvshmem.get("dsv3_random")
-    if dsv3:
-        merged["deepep_v1_reference"] = {
-            **DEEPEP_V1_REFERENCE_US,
-            "note": "DeepEP v1.2.1 intranode test on this 2xH200 machine, 24 SMs (NOTES.md section 4)",
-            "nvshmem_round_trip_fraction": dsv3["round_trip_us"] / sum(DEEPEP_V1_REFERENCE_US.values()),
-            "nvshmem_transport_fraction": (dsv3["transport_round_trip_us"] / sum(DEEPEP_V1_REFERENCE_US.values())
-                                           if dsv3.get("transport_round_trip_us") else None),
-            "nvshmem_sms": dsv3["num_sms"],
-        }
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(merged, indent=1))
 
@@ -400,8 +389,6 @@ def report(inputs: list[Path], json_out: Path) -> None:
             heights = [p[i] for p in parts]
             ax.bar(names, heights, bottom=bottom, label=label, **style)
             bottom = [b + h for b, h in zip(bottom, heights)]
-        if shape == "dsv3_random":
-            ax.axhline(sum(DEEPEP_V1_REFERENCE_US.values()), color="k", ls="--", lw=1, label="DeepEP v1 (NOTES)")
         ax.set_title(shape)
         ax.set_ylabel("microseconds (median)")
         ax.tick_params(axis="x", labelsize=7)
