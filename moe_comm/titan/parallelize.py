@@ -3,7 +3,9 @@
 It is `torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` step for step,
 composed from TorchTitan's own functions (apply_non_moe_tp, apply_ac, apply_compile, apply_fsdp,
 apply_ddp), except that expert parallelism goes through `apply_backend_ep` (the [moe_comm]
-backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks.
+backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks. Before building, it
+asks the checks `check`, `submit` and `train` ran before launch (moe_comm.recipe.check_layout and
+the backend's check_run) again, with what the ranks see, rather than re-checking by hand.
 """
 
 import os
