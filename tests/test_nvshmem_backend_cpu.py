@@ -12,9 +12,10 @@ from moe_comm.errors import RecipeError
 
 
 @pytest.fixture(scope="module")
-def group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29513", rank=0, world_size=1)
+def group(tmp_path_factory):
+    if not dist.is_initialized():  # a file store: no port to collide with other test sessions
+        store = tmp_path_factory.mktemp("store") / "pg"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield dist.group.WORLD
 
 
