@@ -40,7 +40,6 @@ SHAPES = {
 }
 WARMUP, ITERS = 10, 50
 P2P_BYTES = 1 << 30
-DEEPEP_V1_REFERENCE_US = {"dispatch": 353.0, "combine": 393.0}  # NOTES.md §4, same machine and shape, 24 SMs
 
 
 def make_routing(T, E, K, mode, rank, device):
@@ -377,16 +376,6 @@ def report(inputs: list[Path], json_out: Path) -> None:
         ref = best_nvshmem.get(r["shape"])
         if ref and r["backend"] != "nvshmem":
             r["nvshmem_speedup"] = r["round_trip_us"] / ref["round_trip_us"]
-    dsv3 = best_nvshmem.get("dsv3_random")
-    if dsv3:
-        merged["deepep_v1_reference"] = {
-            **DEEPEP_V1_REFERENCE_US,
-            "note": "DeepEP v1.2.1 intranode test on this 2xH200 machine, 24 SMs (NOTES.md section 4)",
-            "nvshmem_round_trip_fraction": dsv3["round_trip_us"] / sum(DEEPEP_V1_REFERENCE_US.values()),
-            "nvshmem_transport_fraction": (dsv3["transport_round_trip_us"] / sum(DEEPEP_V1_REFERENCE_US.values())
-                                           if dsv3.get("transport_round_trip_us") else None),
-            "nvshmem_sms": dsv3["num_sms"],
-        }
     if "date" not in merged:  # the day the numbers were measured; `report` runs right after `run`
         dates = sorted({json.loads(p.read_text()).get("date") for p in inputs} - {None})
         merged["date"] = dates[0] if dates else time.strftime("%Y-%m-%d", time.gmtime())
@@ -403,8 +392,8 @@ def _bench_footer(merged: dict, ok: list[dict], date: str) -> list[str]:
         for name, (t, d, k, e, routing) in SHAPES.items()
     )
     sms = sorted({r["num_sms"] for r in ok if r["backend"] == "nvshmem"})
-    warps = sorted({r.get("warps") for r in ok if r["backend"] == "nvshmem" and r.get("warps")})
-    options = [f"nvshmem num_sms {'/'.join(map(str, sms))}" + (f", warps {'/'.join(warps)}" if warps else "")] if sms else []
+    opts = sorted({json.dumps(r["options"], sort_keys=True) for r in ok if r["backend"] == "nvshmem" and r.get("options")})
+    options = [f"nvshmem num_sms {'/'.join(map(str, sms))}" + (f", {'; '.join(opts)}" if opts else "")] if sms else []
     options += [f"{b}: {note}" for b, note in dict.fromkeys((r["backend"], r["sms_note"]) for r in ok if r.get("sms_note"))]
     return [
         f"experiments/bench_comm.py (no recipe): bf16, {shapes}",
@@ -421,7 +410,6 @@ def plot(merged: dict, png: Path, date: str | None = None) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     from moe_comm import plots
@@ -430,7 +418,6 @@ def plot(merged: dict, png: Path, date: str | None = None) -> None:
     date = date or merged.get("date") or "not recorded"
     shapes = [s for s in SHAPES if any(r["shape"] == s for r in ok)]
     configs = sorted({(r["backend"], r["num_sms"]) for r in ok}, key=lambda k: (k[0] != "nccl", k[0], k[1] or 0))
-    deepep = merged.get("deepep_v1_reference")
     fig, axes = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 7.5), squeeze=False,
                              gridspec_kw={"height_ratios": [1, 1.3]})
     for col, shape in enumerate(shapes):
@@ -451,8 +438,6 @@ def plot(merged: dict, png: Path, date: str | None = None) -> None:
         top.set_xticks(x, names, fontsize=7)
         top.set_title(f"{title}\nround trip, all backends (log scale)", fontsize=9)
         top.set_ylabel("microseconds (median)")
-        if shape == "dsv3_random" and deepep:
-            top.axhline(deepep["dispatch"] + deepep["combine"], color="k", ls="--", lw=1)
 
         # the zoom: every backend within 3x of the fastest; slower bars are cut, their total written
         fastest = min(totals)
@@ -474,8 +459,6 @@ def plot(merged: dict, png: Path, date: str | None = None) -> None:
                                bbox=dict(facecolor="white", edgecolor="none", pad=1))
             else:
                 bottom_ax.text(xi, base + limit * 0.01, f"{base:,.0f}", ha="center", va="bottom", fontsize=7)
-        if shape == "dsv3_random" and deepep:
-            bottom_ax.axhline(deepep["dispatch"] + deepep["combine"], color="k", ls="--", lw=1)
         bottom_ax.set_ylim(0, limit)
         bottom_ax.set_xticks(x, names, fontsize=7)
         bottom_ax.set_title(f"zoom: backends within 3x of the fastest ({limit:,.0f} \u00b5s cap)", fontsize=9)
@@ -487,9 +470,6 @@ def plot(merged: dict, png: Path, date: str | None = None) -> None:
                 Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="layout: expand + reduce (nvshmem)"),
                 Patch(color="0.3", alpha=0.45, label="combine (transport)")]
     footer = _bench_footer(merged, ok, date)
-    if deepep:
-        handles.append(Line2D([], [], color="k", ls="--", lw=1, label="DeepEP v1 round trip (dsv3_random)"))
-        footer.append(f"DeepEP v1 reference: {deepep['dispatch']:g} + {deepep['combine']:g} us, {deepep.get('note', '')}")
     plots.add_footer(fig, footer, top_in=0.75)  # then the title and legend go in the top band
     height = fig.get_figheight()
     fig.suptitle(f"MoE dispatch + combine, {ok[0]['world'] if ok else '?'} x {merged.get('device', '')}",

@@ -11,7 +11,8 @@ Baselines (a short list of recipe:backend runs at their recipes' own batch and s
 Cost of the instrumentation (each configuration twice, MOE_COMM_INSTRUMENT=1 and =0):
     ... --instrument-cost
 
-Every run gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1, its
+Every run gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+(experiments/device_env.py: the rule of the lent H200 machines this sweep runs on), its
 own dump folder (OUT/runs/NAME/<run>/, with train.log and metrics.jsonl) and W&B name
 "<backend>-b<B>-s<S>". A run that fails (OOM, timeout, crash) is recorded with its error and
 the tail of its log, and the sweep goes on. OUT/NAME.json is rewritten after every run, so an
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from moe_comm import report  # noqa: E402
-from moe_comm.launch import GPU_ENV as RUN_ENV  # noqa: E402 - the launcher's NVLink-multicast-off settings
+from experiments.device_env import DEVICE_ENV as RUN_ENV  # noqa: E402 - the lent machines' NVLink-multicast-off rule
 ERROR_TAIL_LINES = 40
 # Patterns that name a failure better than the exit code does, first match wins.
 _FAILURE_KINDS = (

@@ -5,10 +5,7 @@ backend, the scale model's MoE traffic, comm time and MFU on the recipe's cluste
 
 import argparse
 
-from moe_comm import estimate, recipe
-
-# Usable memory per GPU for the verdict line (what the device reports, GiB).
-GPU_MEMORY_GIB = {"H200": 139.8, "H100": 79.1, "B200": 178.4, "cpu": float("inf")}
+from moe_comm import estimate, gpus, recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,32 +19,32 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=None, help="override [cluster] gpus_per_node")
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default=None,
-        help="validate for this device (default: cuda if this machine has GPUs, else cpu; "
-        "GPU recipes are checked for cuda)",
+        help="validate for this device (default: what the recipe says, [cluster] request_gpus)",
     )
     parser.add_argument(
         "--skip-files", action="store_true",
         help="do not require the tokenizer/dataset paths to exist here (checking a cluster recipe elsewhere)",
     )
-    parser.add_argument("--gpu", default=None, choices=sorted(GPU_MEMORY_GIB), help="GPU model for the fit verdict")
+    parser.add_argument(
+        "--gpu", default=None, choices=gpus.MODELS,
+        help="the GPU the recipe will run on, for the fit verdict and the SM budget (default: this "
+        "machine's, if it has one)",
+    )
 
 
-def guess_device(path: str) -> str:
-    """GPU recipes are checked as GPU recipes even on a CPU machine: the name says which."""
-    return "cpu" if "cpu" in path.rsplit("/", 1)[-1] else "cuda"
+def _verdict(total_gib: float, r: recipe.Recipe) -> str:
+    if r.device == "cpu":
+        return "cpu"
+    gpu = gpus.lookup(r.plan.gpu)
+    if gpu is None:
+        return "GPU not known here: pass --gpu for a fit verdict"
+    fits = "fits" if total_gib <= 0.9 * gpu.memory_gib else "DOES NOT FIT (keep 10% headroom)"
+    return f"{gpu.model} {gpu.memory_gib:.0f} GiB: {fits}"
 
 
-def guess_gpu(path: str) -> str:
-    name = path.rsplit("/", 1)[-1]
-    for gpu in ("b200", "h200", "h100"):
-        if gpu in name:
-            return gpu.upper()
-    return "cpu" if "cpu" in name else "H200"
-
-
-def report(r: recipe.Recipe, gpu: str) -> str:
+def report(r: recipe.Recipe) -> str:
     c, lay = r.config, r.layout
-    args = recipe._flavor_args(c)
+    args = recipe.flavor_args(c)
     params = estimate.count_params(args)
     t = c.training
     mem = estimate.memory_per_gpu(
@@ -55,8 +52,6 @@ def report(r: recipe.Recipe, gpu: str) -> str:
         microbatch=c.parallelism.pipeline_parallel_microbatch_size,
     )
     G = estimate.GiB
-    cap = GPU_MEMORY_GIB[gpu]
-    verdict = "fits" if mem.total / G <= 0.9 * cap else "DOES NOT FIT (keep 10% headroom)"
     lines = [
         f"recipe      {r.path}",
         f"model       {c.model.name} flavor {c.model.flavor}: {params.total / 1e9:.2f}B params, "
@@ -73,11 +68,12 @@ def report(r: recipe.Recipe, gpu: str) -> str:
         + (f"activations {mem.activations / G:.1f} + logits {mem.logits / G:.1f}"
            if mem.peak_at == "end of forward" else
            f"gradients {mem.gradients / G:.1f} + gradient reduce {mem.grad_reduce / G:.1f}")
-        + f"; reserved by the allocator ~{mem.reserved / G:.1f}; {gpu} "
-        f"{'' if cap == float('inf') else f'{cap:.0f} GiB: '}{verdict}",
+        + f"; reserved by the allocator ~{mem.reserved / G:.1f}; {_verdict(mem.total / G, r)}",
     ]
+    gpu = "cpu" if r.device == "cpu" else (gpus.lookup(r.plan.gpu).model if gpus.lookup(r.plan.gpu) else "")
     lines += _scale_model_lines(r, gpu)
     lines += _nvshmem_buffer_lines(r, args)
+    lines += [f"note        {note}" for note in r.notes]
     return "\n".join(lines)
 
 
@@ -114,6 +110,8 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
         return ["MoE comm    expert_parallel_degree 1: no dispatch/combine traffic"]
     if gpu == "cpu":
         return ["MoE comm    CPU recipe: the scale model prices GPU clusters (pass --gpu H200/H100/B200)"]
+    if not gpu:
+        return ["MoE comm    GPU not known here: set [cluster] gpu or pass --gpu for the scale model's predictions"]
     try:
         cal = scale_calibration.calibrate()
         w = scale_model.workload_from_recipe(r)
@@ -159,13 +157,14 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     overrides = recipe.split_cli_overrides(args, _add_check_flags)
-    device = args.device or guess_device(args.recipe)
+    machine = gpus.this_machine()
     try:
         r = recipe.load(
             args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-            device=device, check_paths=not args.skip_files,
+            device=args.device, gpu=args.gpu or (machine[0] if machine else ""),
+            check_paths=not args.skip_files,
         )
     except recipe.RecipeError as e:
         return recipe.main_error(e)
-    print(report(r, args.gpu or guess_gpu(args.recipe)))
+    print(report(r))
     return 0

@@ -66,6 +66,10 @@ class Cluster:
     """Slurm nodes; nodes * gpus_per_node must match the recipe's parallel layout."""
     gpus_per_node: int = 8
     """Training processes per node: one per GPU (on CPU recipes, simply the process count)."""
+    gpu: str = ""
+    """GPU model of the nodes ("B200", "H200", "H100"; moe_comm.gpus): `check` gives its memory
+    verdict and bounds the SM budget with it before launch. Empty means not known until the
+    job starts, where the real device is checked."""
     request_gpus: bool = True
     """Ask Slurm for gpus_per_node GPUs per node (#SBATCH --gpus-per-node). False for CPU
     recipes, where gpus_per_node only counts processes."""
@@ -76,8 +80,10 @@ class Cluster:
     account: str = ""
     """Slurm account to charge; empty means the user's default."""
     job_name: str = ""
-    """Slurm job name; empty means the recipe file's stem. When set, the job dumps into
-    {job.dump_folder}/{job_name}: its own checkpoints, found again by a requeue or resubmit."""
+    """Slurm job name; empty means the run's name, derived from its identity (recipe, backend and
+    its options, nodes, batch...: moe_comm.metrics.naming). The job dumps into
+    {job.dump_folder}/{job_name}: its own checkpoints and metrics, found again by a requeue or a
+    resubmit of the same run, never by a run with another identity."""
     venv: str = ""
     """Python environment on the shared jail filesystem, e.g. /opt/venvs/moe-comm. Empty means
     the venv `submit` runs from (login and worker nodes share the jail, so the path is valid)."""
@@ -90,7 +96,7 @@ class Cluster:
     """NCCL/NVSHMEM environment for the platform, sourced by the job (relative to the repo)."""
     requeue: bool = True
     """#SBATCH --requeue, and checkpointing forced on so a requeued job resumes from the last
-    checkpoint in the same dump folder."""
+    checkpoint in the same dump folder (`moe_comm train` skips one that cannot resume)."""
     sbatch_args: list[str] = field(default_factory=list)
     """Extra #SBATCH options, e.g. ["--qos=high", "--reservation=r1"]."""
 

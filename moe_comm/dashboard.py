@@ -1,8 +1,8 @@
 """`python -m moe_comm dashboard --project P`: a W&B workspace that compares backends.
 
 Built with `wandb-workspaces` (W&B's maintained library for saved workspaces and reports; the
-optional extra `moe-comm[dashboard]`). Runs are grouped by recipe (the W&B run group, see
-moe_comm.metrics.naming) and then by backend, so each chart shows one line or bar per backend:
+optional extra `moe-comm[dashboard]`). Runs are grouped by setting (the W&B run group: the
+recipe with its nodes, batch and dtypes, see moe_comm.metrics.naming) and then by backend, so each chart shows one line or bar per backend:
 MFU, tokens/s per GPU, the share of the step MoE comm is not hidden, memory, and the comm
 breakdown. With an API key (and network) the workspace is saved and its URL printed; without,
 the spec it would save is written to a JSON file instead, and the command says so.
@@ -61,7 +61,7 @@ def build_workspace(entity: str, project: str, name: str, recipe: str | None = N
 
     runset = ws.RunsetSettings(
         groupby=[expr.Metric("Group"), expr.Config("moe_comm.backend")],
-        filters=[expr.Metric("Group") == recipe] if recipe else [],
+        filters=[expr.Config(f"moe_comm_run.{keys.RECIPE}") == recipe] if recipe else [],
         pinned_columns=[f"summary:{keys.MFU}", f"summary:{keys.TPS}",
                         f"summary:{keys.COMM_EXPOSED_PCT}", "config:moe_comm.backend"],
     )
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--entity", default=os.environ.get("WANDB_ENTITY"),
                         help="W&B user or team (default: WANDB_ENTITY, else your default entity)")
     parser.add_argument("--name", default="MoE comm backends", help="workspace name")
-    parser.add_argument("--recipe", help="show only this recipe's runs (its W&B group)")
+    parser.add_argument("--recipe", help="show only this recipe's runs (e.g. debug_cpu: its file's stem)")
     parser.add_argument("--out", type=Path, default=Path("wandb_dashboard_spec.json"),
                         help="where the spec goes when it cannot be saved to W&B")
     parser.add_argument("--offline", action="store_true", help="write the spec even with an API key")
@@ -107,9 +107,12 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         print("dashboard: needs wandb-workspaces: pip install 'moe-comm[dashboard]' (or wandb-workspaces)")
         return 1
-    online = bool(os.environ.get("WANDB_API_KEY")) and not args.offline
+    from moe_comm.metrics.naming import wandb_logged_in
+
+    logged_in = wandb_logged_in()
+    online = logged_in and not args.offline
     entity = args.entity
-    reason = "no WANDB_API_KEY" if not os.environ.get("WANDB_API_KEY") else "--offline"
+    reason = "no W&B credentials: no WANDB_API_KEY, no `wandb login`" if not logged_in else "--offline"
     if online and not entity:
         try:
             import wandb
@@ -130,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"dashboard: not saved to W&B ({reason}). Wrote the workspace spec it would create for "
         f"project {args.project!r} (entity {entity or PLACEHOLDER_ENTITY!r}) to {args.out}. "
-        f"To create it: export WANDB_API_KEY=... and run "
+        f"To create it: `wandb login` (or export WANDB_API_KEY=...) and run "
         f"`python -m moe_comm dashboard --project {args.project}"
         + (f" --entity {entity}" if entity else " --entity YOUR_ENTITY") + "`."
     )

@@ -16,20 +16,36 @@ All three of --nnodes/--rdzv-endpoint/--rdzv-id are needed together, and a recip
 [cluster] nodes > 1 is refused without them (submit it with `python -m moe_comm submit`).
 TorchTitan overrides may follow `--` or be given directly; anything this parser does not know
 is passed to TorchTitan. The torchrun command also gets `--local-ranks-filter 0` (see --log-rank).
-The recipe is validated for the whole world (nnodes x nproc-per-node) before torchrun starts.
 `--dry-run` prints the torchrun command instead of running it.
+
+Before torchrun starts, on every node:
+  - the recipe is validated for the whole world (nnodes x nproc-per-node) on this machine;
+  - the dump folder is claimed for this run's identity (moe_comm.metrics.naming): a folder that
+    holds another run (another backend, batch, layout...) is refused, never mixed;
+  - with checkpointing on, the checkpoint to resume from is chosen (moe_comm.checkpoints): a
+    truncated or model-only newest checkpoint is skipped, saying why, and the last save is a
+    full checkpoint unless the recipe sets [checkpoint] last_save_model_only itself, so the next
+    run in the folder can always resume.
+While it runs, SIGTERM (Slurm's preemption and time limit), SIGINT (Ctrl-C) and SIGHUP are
+passed to torchrun, which stops every rank; ranks also die if torchrun is killed outright.
+After a failure, a rank that stopped answering (moe_comm.heartbeat) is named.
 """
 
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-from moe_comm import recipe
+from moe_comm import checkpoints, heartbeat, recipe
+from moe_comm.metrics import naming
 
-# Every GPU run keeps NVLink SHARP / multicast off (NOTES: the device must not use it).
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SHUTDOWN_GRACE_S = 60  # torchrun gives its ranks 30 s after a signal, then SIGKILLs them
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,27 +87,109 @@ def torchrun_command(args: argparse.Namespace, r: recipe.Recipe, overrides: list
     return cmd
 
 
+def _sets(r: recipe.Recipe, section: str, key: str) -> bool:
+    """Whether the recipe file or an override sets [section] key itself."""
+    spelled = {f"--{section}.{key}", f"--{section}.no-{key}"}
+    return key in r.toml.get(section, {}) or any(o in spelled for o in r.overrides)
+
+
+def checkpoint_overrides(r: recipe.Recipe) -> tuple[list[str], list[str]]:
+    """(overrides that make the run resumable, what to tell the user); see the module doc."""
+    ckpt = r.config.checkpoint
+    if not ckpt.enable:
+        return [], []
+    # HF safetensors can only hold the model, so a recipe that asks for them keeps TorchTitan's default.
+    keep = _sets(r, "checkpoint", "last_save_model_only") or ckpt.last_save_in_hf
+    extra = [] if keep else ["--checkpoint.no-last_save_model_only"]
+    step, messages = checkpoints.resume_step(Path(r.config.job.dump_folder) / ckpt.folder, ckpt.load_step)
+    if step is not None:
+        extra += ["--checkpoint.load_step", str(step)]
+    return extra, messages
+
+
+def _report_stopped_ranks(folder: Path) -> None:
+    for beat, silent_s in heartbeat.stopped_ranks(heartbeat.read(folder)):
+        print(
+            f"moe_comm: rank {beat.rank} (pid {beat.pid} on {beat.host}) stopped answering {silent_s:.0f} s "
+            "before the other ranks ended: it is the rank that hung. The errors of the other ranks "
+            "(timeouts waiting for it in a collective) follow from it, whatever torchrun names as "
+            "the root cause above.",
+            file=sys.stderr, flush=True,
+        )
+
+
+def run_torchrun(cmd: list[str], env: dict[str, str], beats: Path) -> int:
+    """Run torchrun and wait for it, passing on the signals that should stop the job."""
+    received: list[int] = []
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                            preexec_fn=lambda: heartbeat.die_with_parent(signal.SIGTERM))
+
+    def forward(signum, frame):
+        received.append(signum)
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    deadline = None
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if received and deadline is None:
+                deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:  # torchrun did not stop its ranks
+                print(f"moe_comm: torchrun did not stop {SHUTDOWN_GRACE_S} s after the signal; killing it and its ranks",
+                      file=sys.stderr, flush=True)
+                for beat in heartbeat.read(beats):
+                    try:
+                        os.kill(beat.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                proc.kill()
+                deadline = float("inf")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:
+        name = signal.Signals(received[0]).name
+        print(f"moe_comm: stopped by {name}; torchrun and every rank have exited", file=sys.stderr, flush=True)
+        return 128 + received[0]
+    if rc != 0:
+        _report_stopped_ranks(beats)
+    return rc
+
+
 def main(args: argparse.Namespace) -> int:
     overrides = recipe.split_cli_overrides(args, _add_launch_flags)
     try:
-        r = recipe.load(args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
+        r = recipe.load(args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, here=True)
         if args.nnodes is None and r.layout.nodes > 1:
             raise recipe.RecipeError(
                 f"[cluster] nodes = {r.layout.nodes}: this recipe spans several nodes; submit it "
                 "with `python -m moe_comm submit`, or run `train` on every node with --nnodes, "
                 "--rdzv-endpoint and --rdzv-id"
             )
-        cmd = torchrun_command(args, r, overrides)
+        identity = naming.run_identity(r.config, r.layout.nodes, r.layout.procs_per_node)
+        naming.claim_dump_folder(r.config.job.dump_folder, identity, write=not args.dry_run)
+        extra, messages = checkpoint_overrides(r)
+        cmd = torchrun_command(args, r, r.overrides + extra)
     except recipe.RecipeError as e:
         return recipe.main_error(e)
+    for message in messages:
+        print(f"moe_comm: checkpoint: {message}", file=sys.stderr, flush=True)
 
     env = dict(os.environ)
     if r.layout.procs_per_node > 1:  # what torchrun sets anyway, without its 4-line banner
         env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1" if r.config.training.dataset == "c4_test" else "0")
-    if r.device == "cuda":
-        env.update(GPU_ENV)
     print("+ " + shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="moe_comm-heartbeat-") as beats:
+        env[heartbeat.DIR_ENV] = beats
+        return run_torchrun(cmd, env, Path(beats))

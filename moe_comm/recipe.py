@@ -3,15 +3,28 @@ validate it before any process starts.
 
 Every problem is a `RecipeError` that names the field and the fix: unknown sections or keys
 (checked against TorchTitan's JobConfig merged with moe_comm.config.JobConfig, the same merge
-TorchTitan does), layouts that cannot work (the degrees not multiplying to the world size, EP
-not dividing the experts or the ranks it borrows), missing tokenizer/dataset files, and bad
-backend options.
+TorchTitan does), values of the wrong type, bad command-line overrides, layouts that cannot
+work (the degrees not multiplying to the world size, EP not dividing the ranks it borrows),
+missing tokenizer/dataset files, bad [cluster] values, and whatever the chosen backend cannot
+run (its class's `check_run`, asked with a `RunPlan` of what is known before launch).
+
+`check`, `submit` and `train` all call `load`; the model build asks the same `check_layout`
+and `check_run` again with what the ranks see.
+
+Overrides (`--section.key value`) are parsed here, once, against the same merged JobConfig:
+one error per bad override (the override, the expected type, the nearest valid key). What
+goes on to TorchTitan's own parser in the ranks is their canonical spelling (`Recipe.overrides`).
 """
 
 import difflib
 import os
+import re
+import subprocess
 import sys
-from dataclasses import dataclass, fields, is_dataclass
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 
 try:
     import tomllib
@@ -19,8 +32,10 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from moe_comm.config import BACKENDS
+from moe_comm.errors import RecipeError
 from moe_comm.estimate import Layout
 
+REPO = Path(__file__).resolve().parents[1]
 OUR_CONFIG_MODULE = "moe_comm.config"
 OUR_IMPORT_MODULE = "moe_comm.titan"
 OUR_MODEL_NAME = "deepseek_v3_moe_comm"
@@ -31,10 +46,10 @@ CONVERTERS = (
     "quantize.linear.mx",
     "quantize.grouped_mm.mx",
 )
+_TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
+_JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]*$")  # it becomes a file and folder name
 
-
-class RecipeError(ValueError):
-    """A recipe problem, with the field and the fix in the message."""
+__all__ = ["Recipe", "RecipeError", "load", "check_layout", "run_plan", "split_cli_overrides", "main_error"]
 
 
 @dataclass
@@ -44,6 +59,9 @@ class Recipe:
     config: object  # TorchTitan's JobConfig (merged with ours), overrides applied
     layout: Layout
     device: str  # "cuda" or "cpu"
+    overrides: list[str] = field(default_factory=list)  # canonical, for TorchTitan in the ranks
+    plan: object = None  # the backends.RunPlan the backend was checked with
+    notes: list[str] = field(default_factory=list)  # what could not be checked before launch
 
 
 def merged_job_config_cls():
@@ -55,51 +73,229 @@ def merged_job_config_cls():
     return ConfigManager._merge_configs(JobConfig, ours.JobConfig)
 
 
-_SCALARS = {
-    bool: lambda v: isinstance(v, bool),
-    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    str: lambda v: isinstance(v, str),
-}
+# ---- values: one set of rules for TOML values and command-line overrides ----------------------
+
+def _type_name(t) -> str:
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        names = [_type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or None" if type(None) in args else "")
+    if origin is list:
+        inner = args[0] if args else str
+        if typing.get_origin(inner) is list:
+            return "lists of strings (one comma-separated list per value)"
+        return "a list of strings (comma-separated on the command line)"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(t, str(t))
+
+
+def _is_instance(t, value) -> bool:
+    """Whether a TOML value fits the field type (what TorchTitan's dataclasses would hold)."""
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if t is bool:
+        return isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is str:
+        return isinstance(value, str)
+    if origin is typing.Literal:
+        return value in args
+    if origin is list:
+        inner = args[0] if args else str
+        return isinstance(value, list) and all(_is_instance(inner, v) for v in value)
+    if args:  # a union
+        return any(_is_instance(a, value) for a in args if a is not type(None)) or (
+            value is None and type(None) in args
+        )
+    return True  # a type this module does not model: TorchTitan decides
+
+
+def _from_cli(t, words: list[str]):
+    """Convert the words of one override to the field type; ValueError when they do not fit."""
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is list and args and typing.get_origin(args[0]) is list:
+        return [w.split(",") for w in words]
+    (word,) = words
+    if args and origin is not typing.Literal and origin is not list:  # a union, None first
+        if type(None) in args and word == "None":
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _from_cli(a, words)
+            except ValueError:
+                pass
+        raise ValueError(word)
+    if t is int:
+        return int(word)
+    if t is float:
+        return float(word)
+    if t is str:
+        return word
+    if origin is typing.Literal:
+        if word in args:
+            return word
+        raise ValueError(word)
+    if origin is list:
+        return word.split(",")  # TorchTitan's rule for list[str] (ConfigManager.register_tyro_rules)
+    raise ValueError(word)
+
+
+def _hint(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def _check_keys(cls, data: dict, where: str) -> None:
-    valid = {f.name: f for f in fields(cls)}
+    hints = typing.get_type_hints(cls)
+    valid = {f.name for f in fields(cls)}
     for key, value in data.items():
         name = f"[{where}] {key}" if where else f"[{key}]"
         if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
             section = f"[{where}]" if where else "a top-level section"
             raise RecipeError(
-                f"{name} is not a field of {section}; {hint}valid: {', '.join(sorted(valid))}"
+                f"{name} is not a field of {section}; {_hint(key, valid)}valid: {', '.join(sorted(valid))}"
             )
-        f_type = valid[key].type
+        f_type = hints[key]
         if is_dataclass(f_type):
             if not isinstance(value, dict):
                 raise RecipeError(f"{name} must be a table ([{where + '.' if where else ''}{key}])")
             _check_keys(f_type, value, f"{where}.{key}" if where else key)
         elif isinstance(value, dict):
             raise RecipeError(f"{name} is a value, not a table: write `{key} = ...` under [{where}]")
-        elif f_type in _SCALARS and not _SCALARS[f_type](value):
-            raise RecipeError(f"{name} = {value!r} must be of type {f_type.__name__}")
+        elif not _is_instance(f_type, value):
+            hint = _hint(value, typing.get_args(f_type)) if isinstance(value, str) else ""
+            raise RecipeError(f"{name} = {value!r} must be {_type_name(f_type)}; {hint}".rstrip("; "))
 
 
-def _parse_job_config(path: str, overrides: list[str]):
+# ---- overrides --------------------------------------------------------------------------------
+
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
+
+
+def _leaf_fields(cls, prefix: str = "") -> dict[str, object]:
+    """'section.key' -> field type, for every leaf field of the merged JobConfig."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        t = hints[f.name]
+        if is_dataclass(t):
+            out.update(_leaf_fields(t, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = t
+    return out
+
+
+def parse_overrides(tokens: list[str], cls) -> tuple[dict[str, object], list[str]]:
+    """`--section.key value` words -> ({'section.key': value}, canonical words for TorchTitan).
+
+    Booleans are flags as in TorchTitan (`--checkpoint.enable`, `--checkpoint.no-enable`) and
+    also take an explicit true/false. Lists are comma-separated, as TorchTitan parses them.
+    Every other field takes the next word as its value, even one that starts with "--" (e.g.
+    `--cluster.sbatch_args --hold`)."""
+    leaves = _leaf_fields(cls)
+    values: dict[str, object] = {}
+    canonical: list[str] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or token == "--":
+            raise RecipeError(f"{token!r} is not an override: write --section.key value (e.g. --training.steps 10)")
+        spelled, eq, inline = token[2:].partition("=")
+        key = spelled.replace("-", "_")
+        section, _, last = key.rpartition(".")
+        negated = key not in leaves and last.startswith("no_") and f"{section}.{last[3:]}" in leaves
+        if negated:
+            key = f"{section}.{last[3:]}"
+        if key not in leaves:
+            close = difflib.get_close_matches(key, list(leaves), n=1)
+            hint = f"did you mean --{close[0]}? " if close else ""
+            siblings = sorted(k.rpartition(".")[2] for k in leaves if k.rpartition(".")[0] == section)
+            if siblings:
+                what, where = f"[{section}] has no field {last!r}", f"valid in [{section}]: {', '.join(siblings)}"
+            else:
+                what, where = f"no section [{section}]" if section else "not --section.key", "overrides are --section.key value"
+            raise RecipeError(f"override --{spelled}: {what}; {hint}{where}")
+        t = leaves[key]
+        i += 1
+        if t is bool:
+            if eq or (i < len(tokens) and not tokens[i].startswith("--")):
+                word = inline if eq else tokens[i]
+                i += 0 if eq else 1
+                if word.lower() not in _BOOL_WORDS:
+                    raise RecipeError(f"override --{spelled} {word}: expected true or false (or the flag alone)")
+                value = _BOOL_WORDS[word.lower()] != negated
+            else:
+                value = not negated
+            section, _, name = key.rpartition(".")
+            canonical.append(f"--{key}" if value else f"--{section}.no-{name}")
+        else:
+            if negated:
+                raise RecipeError(f"override --{spelled}: only true/false fields have a no- form")
+            if eq:
+                words = [inline]
+            elif typing.get_origin(t) is list and typing.get_args(t) and typing.get_origin(typing.get_args(t)[0]) is list:
+                words = []
+                while i < len(tokens) and not tokens[i].startswith("--"):
+                    words.append(tokens[i])
+                    i += 1
+            elif i < len(tokens):
+                words = [tokens[i]]
+                i += 1
+            else:
+                words = []
+            if not words:
+                raise RecipeError(f"override --{spelled} needs a value ({_type_name(t)}), e.g. --{spelled} VALUE")
+            try:
+                value = _from_cli(t, words)
+            except ValueError:
+                shown = " ".join(words)
+                choices = typing.get_args(t) if typing.get_origin(t) is typing.Literal else ()
+                raise RecipeError(
+                    f"override --{spelled} {shown}: expected {_type_name(t)}; {_hint(shown, choices)}".rstrip("; ")
+                ) from None
+            if len(words) == 1 and words[0].startswith("-"):  # "--hold", "-1": glued, or argparse
+                canonical.append(f"--{key}={words[0]}")        # would take it for an option
+            else:
+                canonical += [f"--{key}", *words]
+        values[key] = value
+    return values, canonical
+
+
+def _apply(data: dict, values: dict[str, object]) -> dict:
+    """The TOML data with override values put in place (a copy; the file's own dict is kept)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for key, value in values.items():
+        *sections, name = key.split(".")
+        node = out
+        for s in sections:
+            child = node.get(s)
+            node[s] = child = dict(child) if isinstance(child, dict) else {}
+            node = child
+        node[name] = value
+    return out
+
+
+def _job_config(path: str, raw: dict, values: dict[str, object]):
+    """TorchTitan's JobConfig from the TOML data and the overrides, the way its ConfigManager
+    builds one from a file (its own dict-to-dataclass conversion)."""
     from torchtitan.config import ConfigManager
 
+    data = _apply(raw, values)
+    data.setdefault("job", {})["config_file"] = path
     try:
-        return ConfigManager().parse_args(["--job.config_file", path, *overrides])
-    except SystemExit as e:  # tyro exits on a bad CLI override
-        raise RecipeError(
-            f"bad override in {' '.join(overrides)!r}: use --section.key value with a field of "
-            "the recipe's sections (python -m torchtitan.train --help lists them)"
-        ) from e
-    except ValueError as e:
+        return ConfigManager()._dict_to_dataclass(merged_job_config_cls(), data)
+    except (TypeError, ValueError) as e:
         raise RecipeError(str(e)) from e
 
 
-def _flavor_args(config):
+# ---- the checks -------------------------------------------------------------------------------
+
+def flavor_args(config):
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
     from moe_comm.titan import flavors
@@ -113,7 +309,7 @@ def _flavor_args(config):
     return deepseekv3_args[config.model.flavor]
 
 
-def resolve_layout(config, nnodes: int | None, nproc_per_node: int | None, device: str) -> Layout:
+def resolve_layout(config, nnodes: int | None, nproc_per_node: int | None) -> Layout:
     """The process count and parallel degrees, checked the way TorchTitan's ParallelDims will."""
     p = config.parallelism
     nodes = nnodes if nnodes is not None else config.cluster.nodes
@@ -121,8 +317,9 @@ def resolve_layout(config, nnodes: int | None, nproc_per_node: int | None, devic
     if nodes < 1:
         raise RecipeError(f"[cluster] nodes = {nodes} must be >= 1")
     if per_node < 1:
-        raise RecipeError(f"[cluster] gpus_per_node = {per_node} must be >= 1")
+        raise RecipeError(f"[cluster] gpus_per_node = {per_node} must be >= 1 (processes per node)")
     world = nodes * per_node
+    have = f"[cluster] nodes = {nodes} x gpus_per_node = {per_node} = {world} processes"
     for name in (
         "data_parallel_replicate_degree",
         "context_parallel_degree",
@@ -143,19 +340,27 @@ def resolve_layout(config, nnodes: int | None, nproc_per_node: int | None, devic
     others = dp_rep * cp * tp * pp
     if dp_shard == -1:
         if world % others != 0:
+            need = -(-world // others) * others
             raise RecipeError(
-                f"world size {world} ({nodes} node(s) x {per_node} per node, [cluster]) is not "
-                f"divisible by dp_replicate x cp x tp x pp = {others}; change [parallelism] or [cluster]"
+                f"{have}, but the world size {world} is not divisible by dp_replicate x cp x tp x pp "
+                f"= {others} ([parallelism]; data_parallel_shard_degree = -1 takes the rest): choose "
+                f"nodes so that nodes x gpus_per_node is a multiple of {others} (e.g. {need} "
+                "processes), or change [parallelism]"
             )
         dp_shard = world // others
     elif dp_shard < 1:
         raise RecipeError(f"[parallelism] data_parallel_shard_degree = {dp_shard} must be -1 or >= 1")
-    if dp_rep * dp_shard * cp * tp * pp != world:
+    product = dp_rep * dp_shard * cp * tp * pp
+    if product != world:
+        fix = (
+            f"set [cluster] nodes = {product // per_node} (submit: --nodes {product // per_node})"
+            if product % per_node == 0
+            else "change [cluster] gpus_per_node or the degrees"
+        )
         raise RecipeError(
-            f"layout dp_replicate {dp_rep} x dp_shard {dp_shard} x cp {cp} x tp {tp} x pp {pp} = "
-            f"{dp_rep * dp_shard * cp * tp * pp} processes, but the world size is {world} "
-            f"([cluster] nodes {nodes} x gpus_per_node {per_node}); make them agree, e.g. "
-            "data_parallel_shard_degree = -1"
+            f"{have}, but the layout dp_replicate {dp_rep} x dp_shard {dp_shard} x cp {cp} x tp {tp} "
+            f"x pp {pp} multiplies to {product}, so the world size is {world} against {product}: "
+            f"{fix}, or set data_parallel_shard_degree = -1 to fill the nodes"
         )
     ep, etp = p.expert_parallel_degree, p.expert_tensor_parallel_degree
     if ep > 1 and etp not in (1, tp):
@@ -167,9 +372,121 @@ def resolve_layout(config, nnodes: int | None, nproc_per_node: int | None, devic
     if ep > 1 and borrowable % (ep * etp) != 0:
         raise RecipeError(
             f"[parallelism] expert_parallel_degree = {ep} (x etp {etp}) must divide "
-            f"dp_shard x cp x tp = {borrowable}, the ranks EP borrows from"
+            f"dp_shard x cp x tp = {borrowable}, the ranks EP borrows from ({have}); change "
+            "expert_parallel_degree or the nodes"
         )
     return Layout(world, nodes, per_node, dp_rep, dp_shard, cp, tp, pp, ep, etp)
+
+
+def check_layout(config, layout: Layout, args, device: str) -> None:
+    """What our train spec (TorchTitan's deepseek_v3 parallelize with our EP hook) runs; asked
+    by `load` and again by moe_comm.titan.parallelize at model build."""
+    t = config.training
+    if t.local_batch_size < 1 or t.seq_len < 1 or t.steps < 1:
+        raise RecipeError("[training] local_batch_size, seq_len and steps must be >= 1")
+    divisor = layout.tp * layout.cp * 2  # TorchTitan's ParallelDims.seq_len_divisor
+    if t.seq_len % divisor != 0:
+        raise RecipeError(
+            f"[training] seq_len = {t.seq_len} must be divisible by tp x 2 x cp = {divisor} "
+            "(TorchTitan's sequence and context parallel split)"
+        )
+    attn_type = getattr(args, "attn_type", "sdpa")
+    if device == "cpu" and attn_type != "sdpa":
+        raise RecipeError(
+            f"[model] flavor = {config.model.flavor!r} uses {attn_type} attention, whose "
+            "backward does not run on CPU; use flavor = \"debugmodel\" on CPU"
+        )
+    if layout.cp > 1 and attn_type != "sdpa":
+        raise RecipeError(
+            f"[parallelism] context_parallel_degree = {layout.cp} needs SDPA attention; flavor "
+            f"{config.model.flavor!r} uses {attn_type}: set context_parallel_degree = 1"
+        )
+    if config.parallelism.expert_parallel_comm_backend != "standard":
+        raise RecipeError(
+            "[parallelism] expert_parallel_comm_backend must stay \"standard\"; choose the "
+            "backend with [moe_comm] backend (e.g. backend = \"deepep\")"
+        )
+    if layout.ep > 1 and layout.tp > 1:
+        raise RecipeError(
+            "[parallelism] tensor_parallel_degree > 1 with expert_parallel_degree > 1 is not "
+            "supported by the moe_comm EP hook; use FSDP and PP with EP"
+        )
+
+
+def run_plan(config, layout: Layout, args, device: str, *, gpu: str = "", gpu_sms: int = 0,
+             launch_env=None, launch_env_source: str = "", python_env: str = ""):
+    """The backends.RunPlan of this recipe: what its backend's `check_run` is asked with."""
+    from moe_comm.backends import RunPlan
+
+    t = config.training
+    return RunPlan(
+        options=config.moe_comm,
+        device=device,
+        ep=layout.ep,
+        ranks_per_node=layout.procs_per_node,
+        nodes=layout.nodes,
+        num_experts=args.moe_args.num_experts,
+        top_k=args.moe_args.top_k,
+        hidden=args.dim,
+        score_before_experts=args.moe_args.score_before_experts,
+        tokens_per_rank=t.local_batch_size * t.seq_len // (layout.cp * layout.tp),
+        param_dtype=t.mixed_precision_param,
+        converters=tuple(config.model.converters),
+        gpu=gpu,
+        gpu_sms=gpu_sms,
+        launch_env=launch_env,
+        launch_env_source=launch_env_source or "the launch environment",
+        python_env=python_env,
+    )
+
+
+def env_file_path(cluster) -> Path:
+    path = Path(cluster.env_file)
+    return path if path.is_absolute() else REPO / path
+
+
+def job_env(cluster, backend: str) -> dict[str, str]:
+    """The environment a Slurm job's ranks start with: this one (sbatch exports it) plus what
+    [cluster] env_file sets, sourced the way slurm/train.sbatch sources it. InfiniBand detection
+    is pointed at nothing, so the answer does not depend on the machine that asks."""
+    env = dict(os.environ, MOE_COMM_BACKEND=backend, MOE_COMM_IB_SYSFS="/nonexistent")
+    try:
+        out = subprocess.run(
+            ["bash", "-c", 'source "$1" >/dev/null 2>&1; env -0', "env_file", str(env_file_path(cluster))],
+            env=env, capture_output=True, text=True, timeout=30,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RecipeError(f"[cluster] env_file = {cluster.env_file!r} could not be sourced by bash: {e}") from e
+    return dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+
+
+def job_python(cluster) -> str:
+    """Where a Slurm job's ranks run Python, when that is not this environment ("" when it is:
+    [cluster] venv empty, or this very venv)."""
+    if cluster.container_image:
+        return f"[cluster] container_image = {cluster.container_image!r}"
+    if cluster.venv and Path(cluster.venv).resolve() != Path(sys.prefix).resolve():
+        return f"[cluster] venv = {cluster.venv!r}"
+    return ""
+
+
+def _check_cluster(c) -> None:
+    from moe_comm import gpus
+
+    if c.gpu and gpus.lookup(c.gpu) is None:
+        raise RecipeError(f"[cluster] gpu = {c.gpu!r} is not a GPU model moe_comm knows; choose one of {list(gpus.MODELS)} or leave it empty")
+    if c.venv and c.container_image:
+        raise RecipeError("[cluster] sets both venv and container_image: keep one (the image brings its own Python)")
+    if not _TIME.match(c.time):
+        raise RecipeError(f"[cluster] time = {c.time!r}: use [D-]HH:MM:SS, e.g. \"04:00:00\" or \"1-00:00:00\"")
+    if not _JOB_NAME.match(c.job_name):
+        raise RecipeError(f"[cluster] job_name = {c.job_name!r}: use letters, digits, '_', '.' and '-' only")
+    for extra in c.sbatch_args:
+        if not extra.startswith("--") or any(ch.isspace() for ch in extra):
+            raise RecipeError(f"[cluster] sbatch_args item {extra!r}: write each option as one \"--name=value\" string")
+    if not env_file_path(c).is_file():
+        available = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "slurm" / "env").glob("*.sh"))
+        raise RecipeError(f"[cluster] env_file = {c.env_file!r} does not exist; available: {available}")
 
 
 def _check_paths(config) -> None:
@@ -205,54 +522,6 @@ def _check_paths(config) -> None:
         )
 
 
-def _check_backend(config, layout: Layout, device: str) -> None:
-    mc = config.moe_comm
-    if mc.backend not in BACKENDS:
-        raise RecipeError(f"[moe_comm] backend = {mc.backend!r}: choose one of {list(BACKENDS)}")
-    if mc.backend != "nccl" and device != "cuda":
-        raise RecipeError(
-            f"[moe_comm] backend = {mc.backend!r} needs CUDA GPUs; on CPU use backend = \"nccl\""
-        )
-    if not 1 <= mc.num_sms <= 132:
-        raise RecipeError(
-            f"[moe_comm] num_sms = {mc.num_sms} must be between 1 and 132 (an H200 has 132 SMs; "
-            "20 leaves most for compute)"
-        )
-    if mc.max_tokens_per_rank < 0:
-        raise RecipeError(
-            f"[moe_comm] max_tokens_per_rank = {mc.max_tokens_per_rank} must be >= 0 "
-            "(0 means local_batch_size x seq_len)"
-        )
-    tokens = config.training.local_batch_size * config.training.seq_len
-    if 0 < mc.max_tokens_per_rank < tokens // (layout.cp * layout.tp):
-        raise RecipeError(
-            f"[moe_comm] max_tokens_per_rank = {mc.max_tokens_per_rank} is below the "
-            f"{tokens // (layout.cp * layout.tp)} tokens a rank routes per step "
-            "(local_batch_size x seq_len); raise it or set 0"
-        )
-    if mc.recv_capacity_factor != 0 and mc.recv_capacity_factor < 1.0:
-        raise RecipeError(
-            f"[moe_comm] recv_capacity_factor = {mc.recv_capacity_factor} must be 0 (exact worst "
-            "case) or >= 1.0 (a multiple of the balanced load)"
-        )
-    grouped = [c for c in config.model.converters if c.startswith("quantize.grouped_mm")]
-    if mc.backend == "deepep" and grouped:
-        raise RecipeError(
-            f"[moe_comm] backend = \"deepep\" does not pad expert segments, which [model] "
-            f"converters {grouped} need; use backend \"nccl\" or \"nvshmem\", or drop them"
-        )
-    if config.parallelism.expert_parallel_comm_backend != "standard":
-        raise RecipeError(
-            "[parallelism] expert_parallel_comm_backend must stay \"standard\"; choose the "
-            f"backend with [moe_comm] backend (e.g. backend = \"deepep\")"
-        )
-    if layout.ep > 1 and layout.tp > 1:
-        raise RecipeError(
-            "[parallelism] tensor_parallel_degree > 1 with expert_parallel_degree > 1 is not "
-            "supported by the moe_comm EP hook; use FSDP and PP with EP"
-        )
-
-
 def load(
     path: str,
     overrides: list[str] | None = None,
@@ -260,10 +529,17 @@ def load(
     nnodes: int | None = None,
     nproc_per_node: int | None = None,
     device: str | None = None,
+    gpu: str = "",
+    here: bool = False,
     check_paths: bool = True,
 ) -> Recipe:
-    """Parse and validate a recipe; raise RecipeError naming the field and the fix."""
-    overrides = list(overrides or [])
+    """Parse and validate a recipe; raise RecipeError naming the field and the fix.
+
+    `here=True` (train): the ranks start from this process on this machine, so the device, the
+    GPU and the launch environment are this machine's. Otherwise (check, submit) the recipe is
+    checked for where it will run: the device from its content ([cluster] request_gpus),
+    the GPU given or its [cluster] gpu, the environment its [cluster] env_file sets, and its
+    container image. Never from the file's name."""
     if not os.path.isfile(path):
         raise RecipeError(f"recipe {path!r} does not exist")
     try:
@@ -278,47 +554,39 @@ def load(
             f'[job] custom_config_module must be "{OUR_CONFIG_MODULE}" for the [moe_comm] and '
             "[cluster] sections to exist"
         )
-    _check_keys(merged_job_config_cls(), raw, "")
+    cls = merged_job_config_cls()
+    _check_keys(cls, raw, "")
+    values, canonical = parse_overrides(list(overrides or []), cls)
 
-    model_name = raw.get("model", {}).get("name", "")
+    model_name = values.get("model.name", raw.get("model", {}).get("name", ""))
     if model_name not in MODEL_NAMES:
         raise RecipeError(
             f"[model] name = {model_name!r}: use \"{OUR_MODEL_NAME}\" (DeepSeek-V3 through the "
             "[moe_comm] backend)"
         )
-    if model_name != "deepseek_v3" and raw.get("experimental", {}).get("custom_import") != OUR_IMPORT_MODULE:
+    custom_import = values.get("experimental.custom_import", raw.get("experimental", {}).get("custom_import"))
+    if model_name != "deepseek_v3" and custom_import != OUR_IMPORT_MODULE:
         raise RecipeError(
             f'[experimental] custom_import must be "{OUR_IMPORT_MODULE}": it registers the '
             f"{model_name!r} train spec (and the CPU adaptations)"
         )
+    config = _job_config(path, raw, values)
+    if config.moe_comm.backend not in BACKENDS:
+        raise RecipeError(f"[moe_comm] backend = {config.moe_comm.backend!r}: choose one of {list(BACKENDS)}")
+    _check_cluster(config.cluster)
 
-    backend = raw.get("moe_comm", {}).get("backend", "nccl")
-    if backend not in BACKENDS:  # before tyro, which would only warn about the Literal
-        raise RecipeError(f"[moe_comm] backend = {backend!r}: choose one of {list(BACKENDS)}")
-    config = _parse_job_config(path, overrides)
+    from moe_comm import gpus
+
+    machine = gpus.this_machine() if here else None
     if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    args = _flavor_args(config)
-    layout = resolve_layout(config, nnodes, nproc_per_node, device)
-
-    if layout.ep > 1 and args.moe_args.num_experts % layout.ep != 0:
-        raise RecipeError(
-            f"[parallelism] expert_parallel_degree = {layout.ep} does not divide the "
-            f"{args.moe_args.num_experts} experts of flavor {config.model.flavor!r}; pick a divisor"
-        )
-    t = config.training
-    if t.local_batch_size < 1 or t.seq_len < 1 or t.steps < 1:
-        raise RecipeError("[training] local_batch_size, seq_len and steps must be >= 1")
-    divisor = layout.tp * (2 * layout.cp if layout.cp > 1 else 1)
-    if t.seq_len % divisor != 0:
-        raise RecipeError(f"[training] seq_len = {t.seq_len} must be divisible by tp x 2cp = {divisor}")
-    if device == "cpu" and getattr(args, "attn_type", "sdpa") != "sdpa":
-        raise RecipeError(
-            f"[model] flavor = {config.model.flavor!r} uses {args.attn_type} attention, whose "
-            "backward does not run on CPU; use flavor = \"debugmodel\" on CPU"
-        )
+        device = ("cuda" if machine else "cpu") if here else ("cuda" if config.cluster.request_gpus else "cpu")
+    if here and machine:
+        gpu, gpu_sms = machine
+    else:
+        gpu, gpu_sms = gpu or config.cluster.gpu, 0
+    args = flavor_args(config)
+    layout = resolve_layout(config, nnodes, nproc_per_node)
+    check_layout(config, layout, args, device)
     for name in config.model.converters:
         if name not in CONVERTERS:
             raise RecipeError(f"[model] converters: {name!r} is not one of {list(CONVERTERS)}")
@@ -327,10 +595,23 @@ def load(
             f"[model] converters = {config.model.converters}: float8/MXFP8 need H100+/B200 GPUs; "
             "remove them on CPU"
         )
-    _check_backend(config, layout, device)
+
+    if here:
+        launch_env, source = dict(os.environ), "this process's environment"
+    elif layout.nodes > 1:
+        launch_env = job_env(config.cluster, config.moe_comm.backend)
+        source = f"[cluster] env_file = {config.cluster.env_file!r}"
+    else:
+        launch_env, source = None, ""
+    plan = run_plan(config, layout, args, device, gpu=gpu, gpu_sms=gpu_sms, launch_env=launch_env,
+                    launch_env_source=source, python_env="" if here else job_python(config.cluster))
+    from moe_comm.backends import backend_class
+
+    notes = backend_class(config.moe_comm.backend).check_run(plan)
     if check_paths:
         _check_paths(config)
-    return Recipe(path=path, toml=raw, config=config, layout=layout, device=device)
+    return Recipe(path=path, toml=raw, config=config, layout=layout, device=device,
+                  overrides=canonical, plan=plan, notes=notes)
 
 
 def split_cli_overrides(args, add_flags) -> list[str]:
@@ -344,7 +625,7 @@ def split_cli_overrides(args, add_flags) -> list[str]:
     if "--" in rest:
         i = rest.index("--")
         rest, tail = rest[:i], rest[i + 1 :]
-    ours = argparse.ArgumentParser(add_help=False)
+    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_flags(ours)
     defaults = vars(ours.parse_args([]))
     parsed, unknown = ours.parse_known_args(rest)

@@ -107,6 +107,14 @@ def load_run(jsonl: Path) -> Run:
     static_keys = (keys.RECIPE, keys.BACKEND, keys.BACKEND_OPTIONS, keys.DEVICE, keys.PEAK_DTYPE,
                    keys.EP_SIZE, keys.WORLD_SIZE, keys.LOCAL_BATCH, keys.SEQ_LEN, keys.SENDS_PER)
     static = {k: records[0][k] for k in static_keys if k in records[0]}
+    for record in records[1:]:  # a folder reused by another run (older runs had no guard)
+        changed = [k for k in static if k in record and record[k] != static[k]]
+        if changed:
+            k = changed[0]
+            raise ValueError(
+                f"{jsonl} mixes two runs: {k} is {static[k]!r} up to step {records[0]['step']} and "
+                f"{record[k]!r} at step {record['step']}; split it, or rerun each into its own folder"
+            )
     return Run(path=jsonl, records=records, static=static)
 
 

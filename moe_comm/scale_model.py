@@ -225,7 +225,7 @@ def workload_from_recipe(r) -> Workload:
     from moe_comm import recipe as recipe_mod
 
     c = r.config
-    args = recipe_mod._flavor_args(c)
+    args = recipe_mod.flavor_args(c)
     return Workload(
         flavor=c.model.flavor, args=args, layout=r.layout, local_batch=c.training.local_batch_size,
         seq_len=c.training.seq_len, microbatch=c.parallelism.pipeline_parallel_microbatch_size,

@@ -16,7 +16,7 @@ def test_offline_spec(tmp_path, monkeypatch, capsys):
     out = tmp_path / "spec.json"
     assert cli_main(["dashboard", "--project", "P", "--recipe", "debug_cpu", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "not saved to W&B (no WANDB_API_KEY)" in printed and str(out) in printed
+    assert "not saved to W&B (no W&B credentials: no WANDB_API_KEY, no `wandb login`)" in printed and str(out) in printed
 
     spec = json.loads(out.read_text())
     workspace = spec["workspace"]

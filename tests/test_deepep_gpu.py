@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm.launch import GPU_ENV
 
 torch = pytest.importorskip("torch")
 
@@ -28,14 +27,14 @@ def reports(tmp_path_factory):
         import deep_ep  # noqa: F401
     except ImportError:
         pytest.fail("DeepEP is not installed here: run `python -m moe_comm build-deepep` first")
-    from test_nvshmem_gpu import Mps
+    from test_nvshmem_gpu import DEVICE_ENV, Mps
 
     out = Path(os.environ.get("MOE_COMM_GPU_REPORTS", tmp_path_factory.mktemp("deepep_cases")))
     out.mkdir(parents=True, exist_ok=True)
     mps = Mps()
     if max(RANKS) > torch.cuda.device_count():
         mps.start()
-    env = dict(os.environ, **GPU_ENV)
+    env = dict(os.environ, **DEVICE_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     procs = {}
     try:

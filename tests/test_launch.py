@@ -16,9 +16,10 @@ def _repo_cwd(monkeypatch):
 
 
 @pytest.fixture
-def dry(capsys):
+def dry(capsys, tmp_path):
+    """`train --dry-run` into a fresh dump folder (a folder holds one run's identity)."""
     def run(*args: str) -> SimpleNamespace:
-        rc = main(["train", "recipes/debug_cpu.toml", "--dry-run", *args])
+        rc = main(["train", "recipes/debug_cpu.toml", "--dry-run", "--job.dump_folder", str(tmp_path), *args])
         out = capsys.readouterr()
         return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
@@ -30,10 +31,11 @@ def _cmd(proc) -> str:
     return next(l for l in proc.stdout.splitlines() if l.startswith("+ "))
 
 
-def test_single_node_command_with_overrides(dry):
+def test_single_node_command_with_overrides(dry, tmp_path):
     line = _cmd(dry("--training.steps", "5"))
     assert "--standalone --nproc_per_node 2" in line
-    assert line.endswith("-m torchtitan.train --job.config_file recipes/debug_cpu.toml --training.steps 5")
+    assert line.endswith("-m torchtitan.train --job.config_file recipes/debug_cpu.toml --job.dump_folder "
+                         f"{tmp_path} --training.steps 5")
 
 
 def test_nproc_override_and_double_dash(dry):

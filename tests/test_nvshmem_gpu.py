@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm.launch import GPU_ENV
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.device_env import DEVICE_ENV  # noqa: E402  NVLink multicast off on the lent machines
 
 torch = pytest.importorskip("torch")
 
@@ -86,7 +88,7 @@ class Mps:
 
 def _launch(ranks: int, virtual: int, errors: bool, out: Path, port: int) -> subprocess.Popen:
     report = out / f"nvshmem_cases_{_layout_id(ranks, virtual, errors)}.json"
-    env = dict(os.environ, **GPU_ENV)
+    env = dict(os.environ, **DEVICE_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["MOE_COMM_TEST_NUM_SMS"] = str(NUM_SMS)
     env["MOE_COMM_TEST_WAIT_TIMEOUT"] = "5" if errors else "60"
@@ -136,7 +138,7 @@ def reports(tmp_path_factory):
                 log = (out / f"nvshmem_cases_{_layout_id(*key)}.log").read_text()
                 results[key] = json.loads(report.read_text()) if report.exists() else {"missing": log[-8000:]}
         # The preflight verb on 2 virtual nodes x 2: every pair probed through put/signal.
-        env = dict(os.environ, **GPU_ENV)
+        env = dict(os.environ, **DEVICE_ENV)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4", "--rdzv-backend=c10d",

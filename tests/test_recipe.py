@@ -113,7 +113,8 @@ def test_tp_without_divisible_seq(tmp_path):
 def test_deepep_with_grouped_mm_converter():
     with pytest.raises(recipe.RecipeError, match=r"backend = \"deepep\" does not pad"):
         recipe.load(
-            "recipes/deepseek_v3_671b_b200_mxfp8.toml", ["--moe_comm.backend", "deepep"],
+            "recipes/deepseek_v3_671b_b200_mxfp8.toml",
+            ["--moe_comm.backend", "deepep", "--cluster.container_image", "img"],
             device="cuda", check_paths=False,
         )
 
@@ -128,9 +129,112 @@ def test_invalid_toml(tmp_path):
         recipe.load(_write(tmp_path, DEBUG + "\n[job\n"), device="cpu")
 
 
-def test_bad_override():
-    with pytest.raises(recipe.RecipeError, match="bad override"):
-        recipe.load("recipes/debug_cpu.toml", ["--training.stepz", "3"], device="cpu")
+BAD_OVERRIDES = [
+    (["--training.stepz", "3"], ["override --training.stepz", "did you mean --training.steps?", "valid in [training]"]),
+    (["--trainig.steps", "3"], ["no section [trainig]", "did you mean --training.steps?"]),
+    (["--training.steps", "ten"], ["override --training.steps ten", "expected an integer"]),
+    (["--optimizer.lr", "fast"], ["override --optimizer.lr fast", "expected a number"]),
+    (["--moe_comm.backend", "deepeep"], ["override --moe_comm.backend deepeep", "'nccl', 'nvshmem', 'deepep'", "did you mean 'deepep'?"]),
+    (["--checkpoint.enable", "maybe"], ["override --checkpoint.enable maybe", "true or false"]),
+    (["--training.steps"], ["override --training.steps needs a value (an integer)"]),
+    (["training.steps", "3"], ["'training.steps' is not an override"]),
+    (["--training.no-steps"], ["only true/false fields have a no- form"]),
+]
+
+
+@pytest.mark.parametrize("overrides,words", BAD_OVERRIDES, ids=[" ".join(b[0]) for b in BAD_OVERRIDES])
+def test_bad_override_names_it_and_the_expected_type(overrides, words):
+    with pytest.raises(recipe.RecipeError) as e:
+        recipe.load("recipes/debug_cpu.toml", overrides, device="cpu")
+    for word in words:
+        assert word in str(e.value), f"{word!r} not in {str(e.value)!r}"
+
+
+@pytest.mark.parametrize("verb", ["check", "train", "submit"])
+def test_one_error_per_bad_override(verb, capsys):
+    """One line on stderr: no tyro box pointing at __main__.py --help, no second generic line."""
+    from moe_comm.__main__ import main
+
+    extra = ["--dry-run"] if verb != "check" else []
+    assert main([verb, "recipes/debug_cpu.toml", *extra, "--training.steps", "ten"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--training.steps ten: expected an integer" in lines[0], err
+    assert "--help" not in err and "\u256d" not in err
+
+
+def test_overrides_are_parsed_once_into_canonical_words():
+    r = recipe.load("recipes/debug_cpu.toml", [
+        "--checkpoint.enable", "false", "--metrics.no-enable_wandb", "--training.steps=3",
+        "--cluster.sbatch_args", "--hold", "--parallelism.data_parallel_shard_degree", "-1",
+        "--model.converters", "quantize.linear.float8,quantize.grouped_mm.float8", "--debug.seed", "None",
+    ], device="cuda", check_paths=False)
+    c = r.config
+    assert (c.checkpoint.enable, c.metrics.enable_wandb, c.training.steps) == (False, False, 3)
+    assert c.cluster.sbatch_args == ["--hold"] and c.parallelism.data_parallel_shard_degree == -1
+    assert c.model.converters == ["quantize.linear.float8", "quantize.grouped_mm.float8"] and c.debug.seed is None
+    assert r.overrides == [
+        "--checkpoint.no-enable", "--metrics.no-enable_wandb", "--training.steps", "3",
+        "--cluster.sbatch_args=--hold", "--parallelism.data_parallel_shard_degree=-1",
+        "--model.converters", "quantize.linear.float8,quantize.grouped_mm.float8", "--debug.seed", "None",
+    ]
+    # TorchTitan's own parser (what the ranks run) reads the canonical words the same way
+    from torchtitan.config import ConfigManager
+
+    titan = ConfigManager().parse_args(["--job.config_file", "recipes/debug_cpu.toml", *r.overrides])
+    for section in ("checkpoint", "metrics", "training", "cluster", "parallelism", "model", "debug"):
+        assert getattr(titan, section) == getattr(c, section), section
+
+
+def test_device_comes_from_the_recipe_not_its_file_name(tmp_path, capsys):
+    """A copy of the CPU recipe saved as tiny_test.toml is still a CPU recipe, and a GPU recipe
+    saved as my_cpu_try.toml is still a GPU one."""
+    from moe_comm.__main__ import main
+
+    (tmp_path / "tiny_test.toml").write_text(DEBUG)
+    assert main(["check", str(tmp_path / "tiny_test.toml")]) == 0
+    assert "backend     nccl (num_sms 20) on cpu" in capsys.readouterr().out
+    (tmp_path / "my_cpu_try.toml").write_text((REPO / "recipes" / "deepseek_v3_16b_b200.toml").read_text())
+    assert main(["check", str(tmp_path / "my_cpu_try.toml"), "--skip-files"]) == 0
+    out = capsys.readouterr().out
+    assert "on cuda" in out and "B200 178 GiB: fits" in out
+
+
+def test_gpu_of_the_recipe_bounds_the_sm_budget():
+    with pytest.raises(recipe.RecipeError, match="H200 has 132 SMs"):
+        recipe.load("recipes/deepseek_v3_16b_h200x2.toml", ["--moe_comm.backend", "nvshmem", "--moe_comm.num_sms", "140"],
+                    check_paths=False)
+    r = recipe.load("recipes/deepseek_v3_16b_b200.toml", ["--moe_comm.backend", "nvshmem", "--moe_comm.num_sms", "140"],
+                    check_paths=False)
+    assert r.plan.gpu == "B200" and r.notes == []
+
+
+def test_flagship_with_nvshmem_passes_and_needs_the_platform_network_settings():
+    r = recipe.load("recipes/deepseek_v3_671b_b200.toml", ["--moe_comm.backend", "nvshmem"], check_paths=False)
+    assert r.plan.ep_nodes == 4 and r.plan.launch_env["NVSHMEM_REMOTE_TRANSPORT"] == "ibrc"
+    with pytest.raises(recipe.RecipeError) as e:
+        recipe.load("recipes/deepseek_v3_671b_b200.toml",
+                    ["--moe_comm.backend", "nvshmem", "--cluster.env_file", "slurm/env/cpu-local.sh"], check_paths=False)
+    assert "[cluster] env_file = 'slurm/env/cpu-local.sh'" in str(e.value) and "NVSHMEM_HCA_LIST" in str(e.value)
+
+
+def test_model_build_asks_the_same_checks():
+    """titan/parallelize checks with what the ranks see: here no CUDA, so nvshmem is refused
+    with the very error `check` gives, and the layout rules are recipe.check_layout's."""
+    from types import SimpleNamespace
+
+    from torchtitan.distributed import ParallelDims
+
+    from moe_comm.titan.parallelize import check_before_build
+
+    config = recipe.load("recipes/debug_cpu.toml", ["--moe_comm.backend", "nvshmem"], device="cuda", check_paths=False).config
+    model = SimpleNamespace(model_args=recipe.flavor_args(config))
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1, world_size=2)
+    with pytest.raises(recipe.RecipeError, match="needs CUDA GPUs and this run is on cpu"):
+        check_before_build(model, dims, config)
+    config.moe_comm.backend, config.training.seq_len = "nccl", 255
+    with pytest.raises(recipe.RecipeError, match=r"\[training\] seq_len = 255"):
+        check_before_build(model, dims, config)
 
 
 def test_relative_paths_need_repo_root(tmp_path, monkeypatch):

@@ -126,3 +126,16 @@ def test_report_without_a_shared_folder_asks_for_out(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     assert cli_main(["report", "a", "b"]) == 1
     assert "--out" in capsys.readouterr().out and not (tmp_path / "report").exists()
+
+
+def test_report_refuses_a_jsonl_that_mixes_two_runs(tmp_path, capsys):
+    """A deepep run appended to an nccl run's file must not be reported as nccl."""
+    _write_run(tmp_path / "run", "nccl", 20, 1000.0, 3.0, 4.0, 100.0)
+    first = (tmp_path / "run" / "metrics.jsonl").read_text()
+    _write_run(tmp_path / "other", "deepep", 20, 900.0, 3.0, 4.0, 100.0)
+    later = [json.loads(line) for line in (tmp_path / "other" / "metrics.jsonl").read_text().splitlines()]
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        first + "".join(json.dumps({**r, "step": r["step"] + 5}) + "\n" for r in later))
+    assert cli_main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "r")]) == 1
+    out = capsys.readouterr().out
+    assert "mixes two runs" in out and "'nccl'" in out and "'deepep' at step 6" in out

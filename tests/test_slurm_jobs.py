@@ -1,7 +1,9 @@
-"""The job template on a real Slurm (tests/slurm_cluster.py): runs, rendezvous, resource checks.
+"""The job template on a real Slurm (tests/slurm_cluster.py): runs, rendezvous, requeue and
+resubmit, each run's identity, resource checks.
 
 One local cluster serves the whole module. Its daemons are stopped by pid at the end, pass or
-fail. The CPU jobs run recipes/debug_cpu.toml (EP=2 over gloo) for 3 steps.
+fail. The CPU jobs run recipes/debug_cpu.toml (EP=2 over gloo) for 3 steps; two of them (one
+node, requeued; two nodes) are shared by the tests that look at them.
 """
 
 import json
@@ -9,7 +11,6 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -47,19 +48,17 @@ CPU_FLAGS = ("--cluster.partition", LIVE_PARTITION, "--cluster.request_gpus", "f
              "--cluster.env_file", "slurm/env/cpu-local.sh", "--cluster.time", "00:15:00")
 
 
-def submit_cpu(slurm: LocalSlurm, tmp_path: Path, *rest: str) -> tuple[subprocess.CompletedProcess, str, Path, Path]:
-    """Submit the CPU recipe; return (the submit process, job id, its log, its dump folder)."""
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    proc = submit(slurm, DEBUG_CPU, *CPU_FLAGS, "--cluster.job_name", name, "--job.dump_folder", str(tmp_path),
-                  "--training.steps", str(STEPS), *rest)
+def submit_cpu(slurm: LocalSlurm, base: Path, *rest: str) -> tuple[subprocess.CompletedProcess, str, Path, Path]:
+    """Submit the CPU recipe into `base`; return (the submit process, job id, its log, its dump folder)."""
+    proc = submit(slurm, DEBUG_CPU, *CPU_FLAGS, "--job.dump_folder", str(base), "--training.steps", str(STEPS), *rest)
     m = re.search(r"submitted job (\d+): log (\S+), dump folder (\S+)", proc.stdout)
     assert m, f"submit printed no job id:\n{proc.stdout}\n{proc.stderr}"
     return proc, m.group(1), Path(m.group(2)), Path(m.group(3))
 
 
-def cpu_job(slurm: LocalSlurm, tmp_path: Path, *rest: str) -> tuple[str, Path, Path]:
+def cpu_job(slurm: LocalSlurm, base: Path, *rest: str) -> tuple[str, Path, Path]:
     """Submit the CPU recipe and wait for it; return (job id, its log, its dump folder)."""
-    proc, job_id, log, dump = submit_cpu(slurm, tmp_path, "--wait", *rest)
+    proc, job_id, log, dump = submit_cpu(slurm, base, "--wait", *rest)
     text = log.read_text() if log.exists() else "(no log)"
     assert proc.returncode == 0, f"job {job_id} failed ({proc.returncode}); log {log}:\n{text[-6000:]}\n{proc.stderr}; {slurm.logs_hint()}"
     return job_id, log, dump
@@ -104,33 +103,86 @@ def assert_trained(log: Path, dump: Path, job_id: str) -> list[dict]:
     return rows
 
 
-def test_cpu_recipe_one_node_requeued_resumes_from_checkpoint(slurm, tmp_path):
-    """EP=2 on gloo through the real template; requeued after its first checkpoint, the job
-    runs again under the same id and TorchTitan resumes from that checkpoint."""
-    proc, job_id, log, dump = submit_cpu(slurm, tmp_path, "--checkpoint.interval", "1")
+def wandb_run_ids(dump: Path) -> list[str]:
+    """The ids of the offline W&B runs in a dump folder, one per start of the job."""
+    return sorted(p.name.split("-", 3)[-1] for p in dump.rglob("offline-run-*") if p.is_dir())  # offline-run-DATE-ID
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """One dump folder for the module's jobs: each run must find its own folder inside it."""
+    return tmp_path_factory.mktemp("dumps")
+
+
+@pytest.fixture(scope="module")
+def one_node_run(slurm, base):
+    """EP=2 on gloo through the real template, requeued after its first checkpoint: the job runs
+    again under the same id and TorchTitan resumes from that checkpoint."""
+    proc, job_id, log, dump = submit_cpu(slurm, base, "--checkpoint.interval", "1")
     assert proc.returncode == 0, proc.stderr
     first = dump / "checkpoint" / "step-1" / ".metadata"
     wait_for("the step-1 checkpoint", first.exists, 300, slurm, log, running_job=job_id)
     slurm.run("scontrol", "requeue", job_id)
     wait_for(f"job {job_id} to finish after its requeue", lambda: slurm.job_state(job_id) in ("COMPLETED", "FAILED", "GONE"), 300, slurm, log)
+    return job_id, log, dump
+
+
+@pytest.fixture(scope="module")
+def two_node_run(slurm, base):
+    """Two fake nodes, one process each: the c10d rendezvous across srun tasks really runs."""
+    return cpu_job(slurm, base, "--nodes", "2", "--cluster.gpus_per_node", "1")
+
+
+def test_cpu_recipe_one_node_requeued_resumes_from_checkpoint(one_node_run):
+    job_id, log, dump = one_node_run
     text = log.read_text()
     assert "restart 0" in text and "restart 1" in text, "the requeued run must append to the same log"
     assert re.search(r"Loading the checkpoint from \S+/checkpoint/step-\d", text), text[-4000:]
     assert (dump / "jobs" / f"{job_id}.0").is_dir() and (dump / "jobs" / f"{job_id}.1").is_dir()
     assert_trained(log, dump, job_id)
     assert "on 1 node(s) x 2 process(es)" in text
-    log.unlink()  # kept only when the test fails
 
 
-def test_cpu_recipe_two_nodes_rendezvous(slurm, tmp_path):
-    """Two fake nodes, one process each: the c10d rendezvous across srun tasks really runs."""
-    job_id, log, dump = cpu_job(slurm, tmp_path, "--nodes", "2", "--cluster.gpus_per_node", "1")
+def test_a_requeued_job_continues_its_wandb_run(one_node_run):
+    """Each start of the job logs to W&B (offline here) under the id of the Slurm job."""
+    job_id, log, dump = one_node_run
+    ids = wandb_run_ids(dump)
+    assert len(ids) == 2 and len(set(ids)) == 1 and ids[0].startswith(f"moecomm-{job_id}-"), ids
+
+
+def test_a_finished_run_submitted_again_resumes_instead_of_failing(slurm, base, one_node_run):
+    """TorchTitan's default last save is model-only, so the second submit of a job used to die
+    loading it ("Missing key in checkpoint state_dict: dataloader.dp_rank_0")."""
+    _, _, dump = one_node_run
+    job_id, log, again = cpu_job(slurm, base, "--checkpoint.interval", "1")
+    assert again == dump, "the same run must find its own folder again"
+    text = log.read_text()
+    assert f"Loading the checkpoint from {dump}/checkpoint/step-{STEPS}" in text, text[-4000:]
+    assert f"Training starts at step {STEPS + 1}" in text
+    log.unlink()
+
+
+def test_cpu_recipe_two_nodes_rendezvous(two_node_run):
+    job_id, log, dump = two_node_run
     text = log.read_text()
     assert "on 2 node(s) x 1 process(es); rendezvous 127.0.0.1:" in text
     labels = {int(m) for m in re.findall(r"^(\d+): ", text, flags=re.M)}
     assert labels == {0, 1}, f"expected output from srun tasks 0 and 1, got {labels}"
     assert_trained(log, dump, job_id)
-    log.unlink()  # kept only when the test fails
+
+
+def test_runs_of_one_recipe_have_their_own_identity(base, one_node_run, two_node_run):
+    """Two runs of debug_cpu.toml into one base folder (1 node x 2 and 2 nodes x 1): their own job
+    names, dump folders, metrics and W&B runs; nothing mixed."""
+    (_, log1, dump1), (_, log2, dump2) = one_node_run, two_node_run
+    assert dump1.parent == dump2.parent == base and dump1 != dump2
+    assert dump1.name == "debug_cpu-nccl-1x2-ep2-b2x256-fp32" and dump2.name == "debug_cpu-nccl-2x1-ep2-b2x256-fp32"
+    assert log1.name.startswith(dump1.name + "-") and log2.name.startswith(dump2.name + "-")
+    for dump, nodes in ((dump1, 1), (dump2, 2)):
+        assert json.loads((dump / "identity.json").read_text())["nodes"] == nodes
+        rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+        assert {r["step"] for r in rows} == set(range(1, STEPS + 1))  # only this run's steps
+    assert not set(wandb_run_ids(dump1)) & set(wandb_run_ids(dump2))
 
 
 def test_directives_are_honoured_by_slurm(slurm):
@@ -146,9 +198,10 @@ def test_directives_are_honoured_by_slurm(slurm):
         info = slurm.run("scontrol", "show", "job", job_id).stdout
     finally:
         slurm.run("scancel", job_id, check=False)
-    for expected in ("JobName=deepseek_v3_671b_b200", "NumNodes=32", "NumTasks=32", "NtasksPerN:B:S:C=1:",
+    name = "deepseek_v3_671b_b200-nccl-32x8-ep32-pp8-b8x4096"  # the run's identity (moe_comm.metrics.naming)
+    for expected in (f"JobName={name}\n", "NumNodes=32", "NumTasks=32", "NtasksPerN:B:S:C=1:",
                      "TresPerNode=gres:gpu:8", "OverSubscribe=NO", "Requeue=1", f"Partition={GPU_PARTITION}",
-                     "TimeLimit=02:00:00", f"StdOut={REPO}/slurm/logs/deepseek_v3_671b_b200-{job_id}.out"):
+                     "TimeLimit=02:00:00", f"StdOut={REPO}/slurm/logs/{name}-{job_id}.out"):
         assert expected in info, f"{expected} not in:\n{info}"
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from moe_comm.__main__ import main as moe_comm_main
+from moe_comm import recipe
 from moe_comm.cluster import submit
-from moe_comm.cluster.layout import RecipeError, check_world_size, cluster_from_recipe, load_recipe
 from moe_comm.cluster.sbatch import REPO
 
 DEBUG_CPU = REPO / "recipes" / "debug_cpu.toml"
@@ -71,12 +71,14 @@ def test_cpu_script_directives_first_and_one_task_per_node():
     assert body[0] == "set -euo pipefail", "the first command must come after every directive"
     assert d["--nodes"] == "1" and d["--ntasks-per-node"] == "1"
     assert "--gpus-per-node" not in d, "a CPU recipe must not ask Slurm for GPUs"
-    assert d["--job-name"] == "debug_cpu"
-    assert d["--output"] == f"{REPO}/slurm/logs/debug_cpu-%j.out"
+    name = "debug_cpu-nccl-1x2-ep2-b2x256-fp32"  # the run's identity: recipe, backend, nodes, batch
+    assert d["--job-name"] == name
+    assert d["--output"] == f"{REPO}/slurm/logs/{name}-%j.out"
     assert "--requeue" in d and d["--open-mode"] == "append"
     srun = " ".join(body).replace("\\ ", "").split("srun ", 1)[1]
     assert "--ntasks-per-node=1" in srun and "--mpi=none" in srun
-    assert f"TRAIN_ARGS=(--job.dump_folder {REPO}/outputs/debug_cpu --checkpoint.enable --training.steps 3)" in script
+    assert (f"TRAIN_ARGS=(--job.dump_folder {REPO}/outputs/debug_cpu/{name} --checkpoint.enable "
+            "--cluster.no-request_gpus --cluster.env_file slurm/env/cpu-local.sh --training.steps 3)") in script
     assert "PROCS_PER_NODE=2" in script
     assert "--rdzv-id \"$SLURM_JOB_ID\"" in script and "getent ahostsv4" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
@@ -108,7 +110,7 @@ def test_container_image_goes_on_srun_not_sbatch():
 def test_dump_folder_is_per_job_name_and_movable():
     script = dry_run(DEBUG_CPU, *CPU_FLAGS, "--cluster.job_name", "exp7", "--job.dump_folder", "/scratch/runs")
     assert "DUMP_DIR=/scratch/runs/exp7" in script
-    assert "TRAIN_ARGS=(--job.dump_folder /scratch/runs/exp7 --checkpoint.enable)" in script
+    assert "TRAIN_ARGS=(--job.dump_folder /scratch/runs/exp7 --checkpoint.enable --cluster.no-request_gpus " in script
     assert sbatch_directives(script)["--job-name"] == "exp7"
 
 
@@ -118,33 +120,34 @@ def test_no_requeue_means_no_forced_checkpoint():
     assert "--checkpoint.enable" not in script
 
 
-def test_world_size_mismatch_is_refused_naming_the_fix(tmp_path):
+def test_world_size_mismatch_is_refused_naming_the_fix():
     err = submit_error(DEBUG_CPU, "--nodes", "3", "--cluster.gpus_per_node", "1")
-    assert "expert_parallel_degree = 2" in err and "--nodes" in err
+    assert "expert_parallel_degree = 2" in err and "nodes" in err
 
-    fixed = tmp_path / "fixed.toml"
-    fixed.write_text(
-        "[cluster]\nnodes = 2\ngpus_per_node = 8\n"
-        "[parallelism]\ndata_parallel_shard_degree = 8\ntensor_parallel_degree = 4\n"
-    )
-    err = submit_error(fixed)
+    err = submit_error(DEBUG_CPU, "--nodes", "2", "--cluster.gpus_per_node", "8",
+                       "--parallelism.data_parallel_shard_degree", "8", "--parallelism.tensor_parallel_degree", "4",
+                       "--parallelism.expert_parallel_degree", "1")
     assert "nodes = 2 x gpus_per_node = 8 = 16 processes" in err
-    assert "multiply to 32" in err and "[cluster] nodes = 4" in err and "--nodes 4" in err
+    assert "multiplies to 32" in err and "[cluster] nodes = 4" in err and "--nodes 4" in err
 
 
-def test_world_size_with_dp_shard_rest():
-    recipe = {"parallelism": {"tensor_parallel_degree": 8, "expert_parallel_degree": 8}}
-    assert check_world_size(recipe, cluster_from_recipe({}, {"nodes": 4, "gpus_per_node": 8})) == 32
-    with pytest.raises(RecipeError, match="multiple of 8"):
-        check_world_size(recipe, cluster_from_recipe({}, {"nodes": 1, "gpus_per_node": 4}))
+def test_world_size_with_dp_shard_rest(tmp_path):
+    path = tmp_path / "tp8.toml"
+    path.write_text((REPO / "recipes" / "deepseek_v3_16b_b200.toml").read_text())
+    tp8 = ["--parallelism.tensor_parallel_degree", "8", "--parallelism.expert_parallel_degree", "1"]
+    r = recipe.load(str(path), tp8 + ["--cluster.nodes", "4"], check_paths=False)
+    assert (r.layout.world, r.layout.dp_shard) == (32, 4)
+    err = submit_error(path, *tp8, "--nodes", "1", "--cluster.gpus_per_node", "4")
+    assert "multiple of 8" in err
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--cluster.nodez", "2"], "unknown field(s) ['nodez']"),
-        (["--cluster.nodes", "two"], "[cluster] nodes = 'two': it must be a whole number"),
-        (["--cluster.requeue", "maybe"], "[cluster] requeue = 'maybe': it must be true or false"),
+        (["--cluster.nodez", "2"], "override --cluster.nodez: [cluster] has no field 'nodez'; did you mean --cluster.nodes?"),
+        (["--cluster.nodes", "two"], "override --cluster.nodes two: expected an integer"),
+        (["--cluster.requeue", "maybe"], "override --cluster.requeue maybe: expected true or false"),
+        (["--cluster.gpu", "A100"], "[cluster] gpu = 'A100' is not a GPU model"),
         (["--cluster.time", "4h"], "[cluster] time = '4h'"),
         (["--cluster.env_file", "slurm/env/mars.sh"], "[cluster] env_file = 'slurm/env/mars.sh' does not exist"),
         (["--cluster.venv", "/v", "--cluster.container_image", "img"], "both venv and container_image"),
@@ -170,7 +173,7 @@ def test_cli_in_a_fresh_process():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=debug_cpu\n")
+    assert proc.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=debug_cpu-nccl-1x2-ep2-b2x256-fp32\n")
 
 
 def test_submit_options_after_the_recipe_are_not_overrides():
@@ -179,13 +182,12 @@ def test_submit_options_after_the_recipe_are_not_overrides():
     args = parser.parse_args([str(DEBUG_CPU), "--training.steps", "3", "--nodes", "1", "--dry-run", "--cluster.partition=x"])
     spec = submit.build_spec(args)
     assert args.dry_run and spec.cluster.nodes == 1 and spec.cluster.partition == "x"
-    assert spec.overrides == ["--training.steps", "3"]
+    assert spec.overrides == ["--training.steps", "3", "--cluster.partition", "x", "--cluster.nodes", "1"]
 
 
 def test_cpu_recipe_is_the_one_the_slurm_tests_use():
-    recipe = load_recipe(DEBUG_CPU)
-    assert recipe["parallelism"]["expert_parallel_degree"] == 2
-    assert check_world_size(recipe, cluster_from_recipe(recipe)) == 2
+    r = recipe.load(str(DEBUG_CPU), check_paths=False)
+    assert r.layout.ep == 2 and r.layout.world == 2 and r.device == "cpu"
 
 
 def test_671b_dry_run_is_a_soperator_job():
@@ -235,11 +237,39 @@ def test_b200_env_picks_infiniband_hcas_and_ibgda_only_for_nvshmem_backends(tmp_
         assert env["NVSHMEM_HCA_LIST"] == "mlx5_0:1,mlx5_1:1,mlx5_10:1", "mlx5_12 (virtual) must be excluded"
 
 
-def test_h200_env_keeps_nvlink_multicast_off(tmp_path):
-    env = _source_env("slurm/env/nebius-h200.sh", "nccl", tmp_path)
-    assert env["NCCL_NVLS_ENABLE"] == "0"
-    assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
-    assert env["NVSHMEM_DISABLE_NVLS"] == "1"
+@pytest.mark.parametrize("env_file", ["slurm/env/nebius-h200.sh", "slurm/env/nebius-b200.sh"])
+def test_platform_env_leaves_nvlink_multicast_to_the_user(tmp_path, env_file):
+    """Multicast off is the lent test machines' rule (experiments/device_env.py), not a cluster's."""
+    for backend in ("nccl", "nvshmem"):
+        env = _source_env(env_file, backend, tmp_path)
+        assert not {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"} & set(env)
+    out = subprocess.run(
+        ["bash", "-c", f"export NCCL_NVLS_ENABLE=1; source {REPO / env_file}; echo $NCCL_NVLS_ENABLE"],
+        env={"PATH": os.environ["PATH"], "MOE_COMM_IB_SYSFS": str(tmp_path)}, capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == "1"
+
+
+def test_nvshmem_hca_list_without_detected_hcas_excludes_the_virtual_nic(tmp_path):
+    env = _source_env("slurm/env/nebius-b200.sh", "nvshmem", tmp_path)  # no HCA under this sysfs
+    assert env["NVSHMEM_HCA_LIST"] == "^mlx5_12" and env["NVSHMEM_REMOTE_TRANSPORT"] == "ibrc"
+    assert "NVSHMEM_HCA_LIST" not in _source_env("slurm/env/nebius-b200.sh", "nccl", tmp_path)
+
+
+def test_launcher_leaves_nvlink_multicast_alone(monkeypatch, tmp_path):
+    """`moe_comm train` on a GPU machine passes the user's environment through (was: NVLS forced off)."""
+    from moe_comm import launch
+
+    load = recipe.load
+    monkeypatch.setattr(launch.recipe, "load", lambda *a, **k: load(*a, **{**k, "device": "cuda"}))
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    seen = {}
+    monkeypatch.setattr(launch, "run_torchrun", lambda cmd, env, beats: seen.update(env) or 0)
+    args = argparse.Namespace(recipe=str(DEBUG_CPU), overrides=["--job.dump_folder", str(tmp_path)], nproc_per_node=None,
+                              nnodes=None, rdzv_endpoint=None, rdzv_id=None, log_rank="0", dry_run=False)
+    assert launch.main(args) == 0
+    assert seen["NCCL_NVLS_ENABLE"] == "1"
+    assert "NVSHMEM_DISABLE_NVLS" not in seen and "TORCH_SYMM_MEM_DISABLE_MULTICAST" not in seen
 
 
 def test_a_user_export_wins_over_detection(tmp_path):
@@ -260,7 +290,8 @@ def test_requeue_without_interval_checkpoints_warns():
 
 def test_backend_override_reaches_the_env_file():
     """--moe_comm.backend deepep must switch the job's NVSHMEM/IBGDA environment on."""
-    written = load_recipe(B200_671B)["moe_comm"]["backend"]
+    written = recipe.load(str(B200_671B), check_paths=False).config.moe_comm.backend
     assert f"export MOE_COMM_BACKEND={written}\n" in dry_run(B200_671B)
-    assert "export MOE_COMM_BACKEND=deepep\n" in dry_run(B200_671B, "--moe_comm.backend", "deepep")
+    assert "export MOE_COMM_BACKEND=deepep\n" in dry_run(B200_671B, "--moe_comm.backend", "deepep",
+                                                      "--cluster.container_image", "img")
     assert "export MOE_COMM_BACKEND=nvshmem\n" in dry_run(B200_671B, "--moe_comm.backend=nvshmem")

@@ -10,14 +10,18 @@ this rank (E / ep_size), R = rows handed to the local experts (a static bound fo
 avoid host syncs, the exact count for the NCCL path).
 """
 
+import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from moe_comm import gpus
 from moe_comm.config import MoEComm
+from moe_comm.errors import RecipeError
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,65 @@ class MoELayerSpec:
     # False (every DeepSeek-V3 flavor): combine weights the expert outputs. True: dispatch
     # weights the expert inputs and combine is a plain sum.
     score_before_experts: bool = False
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What is known about a run before its backend starts, for `CommBackend.check_run`.
+
+    recipe.py builds it before launch (`check`, `submit`, `train` before torchrun) from the
+    recipe's content and this machine; the model build builds it again from the live process
+    group and device. Fields the caller cannot know are left at their "unknown" value (0, "",
+    None), and a check that needs them says what it could not verify instead of guessing.
+    """
+
+    options: MoEComm  # the [moe_comm] section, overrides applied
+    device: str  # "cuda" or "cpu": where the ranks run
+    ep: int  # ranks in one EP group
+    ranks_per_node: int  # processes per real node
+    nodes: int  # nodes in the job
+    num_experts: int
+    top_k: int
+    hidden: int
+    score_before_experts: bool = False
+    tokens_per_rank: int = 0  # tokens one rank routes per MoE call (0: unknown)
+    param_dtype: str = ""  # [training] mixed_precision_param ("": unknown)
+    converters: tuple[str, ...] = ()
+    gpu: str = ""  # GPU model or device name ("": unknown before launch)
+    gpu_sms: int = 0  # its SM count (0: unknown)
+    launch_env: Mapping[str, str] | None = field(default=None, compare=False)
+    """The environment the ranks start with (None: unknown), e.g. what [cluster] env_file sets."""
+    launch_env_source: str = "the launch environment"  # where launch_env comes from, for messages
+    python_env: str = ""  # "": the ranks run in this Python environment; else where they run
+
+    @property
+    def ep_nodes(self) -> int:
+        """Real nodes one EP group spans (EP groups are consecutive ranks)."""
+        return max(1, -(-self.ep // self.ranks_per_node))
+
+    @classmethod
+    def for_group(cls, layer: "MoELayerSpec", ep_group: dist.ProcessGroup, config: MoEComm) -> "RunPlan":
+        """The plan as far as a process that builds a backend can see it: its EP group, its
+        device, torchrun's LOCAL_WORLD_SIZE and its environment (what NVSHMEM will read)."""
+        ep = dist.get_world_size(ep_group)
+        world = dist.get_world_size() if dist.is_initialized() else ep
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        device = gpus.this_machine()
+        return cls(
+            options=config,
+            device="cuda" if device else "cpu",
+            ep=ep,
+            ranks_per_node=per_node,
+            nodes=max(1, world // per_node),
+            num_experts=layer.num_experts,
+            top_k=layer.top_k,
+            hidden=layer.hidden,
+            score_before_experts=layer.score_before_experts,
+            gpu=device[0] if device else "",
+            gpu_sms=device[1] if device else 0,
+            launch_env=dict(os.environ),
+            launch_env_source="this process's environment",
+        )
 
 
 @dataclass
@@ -53,6 +116,69 @@ class CommBackend(ABC):
     """
 
     name: ClassVar[str]
+    cuda_only: ClassVar[bool] = False
+    fp8_dispatch: ClassVar[bool] = False  # takes [moe_comm] dispatch_dtype = "fp8"
+
+    @classmethod
+    def check_run(cls, run: RunPlan) -> list[str]:
+        """Raise RecipeError, naming the field and the fix, if this backend cannot serve `run`.
+
+        The one place a backend's abilities are written down: `check`, `submit` and `train`
+        ask it before launch (through moe_comm.recipe), and every backend asks it again when
+        built. Returns what it could not verify with what `run` knows (printed by `check`).
+        This base covers what holds for every backend; subclasses add their own rules.
+        """
+        o = run.options
+        if cls.cuda_only and run.device != "cuda":
+            raise RecipeError(
+                f"[moe_comm] backend = {cls.name!r} needs CUDA GPUs and this run is on {run.device}; "
+                'on CPU use backend = "nccl"'
+            )
+        if run.num_experts % run.ep != 0:
+            raise RecipeError(
+                f"[parallelism] expert_parallel_degree = {run.ep} does not divide the {run.num_experts} "
+                "experts of the model's flavor; pick a divisor"
+            )
+        if o.num_sms < 1:
+            raise RecipeError(f"[moe_comm] num_sms = {o.num_sms} must be at least 1")
+        if o.max_tokens_per_rank < 0:
+            raise RecipeError(
+                f"[moe_comm] max_tokens_per_rank = {o.max_tokens_per_rank} must be >= 0 "
+                "(0 means local_batch_size x seq_len)"
+            )
+        if run.tokens_per_rank and 0 < o.max_tokens_per_rank < run.tokens_per_rank:
+            raise RecipeError(
+                f"[moe_comm] max_tokens_per_rank = {o.max_tokens_per_rank} is below the "
+                f"{run.tokens_per_rank} tokens a rank routes per step (local_batch_size x seq_len); "
+                "raise it or set 0"
+            )
+        if o.recv_capacity_factor != 0 and o.recv_capacity_factor < 1.0:
+            raise RecipeError(
+                f"[moe_comm] recv_capacity_factor = {o.recv_capacity_factor} must be 0 (exact worst "
+                "case) or >= 1.0 (a multiple of the balanced load)"
+            )
+        if o.dispatch_dtype != "bf16" and not cls.fp8_dispatch:
+            raise RecipeError(
+                f'[moe_comm] dispatch_dtype = "{o.dispatch_dtype}" is the nvshmem backend\'s; backend '
+                f'= "{cls.name}" sends the model\'s rows as they are: set dispatch_dtype = "bf16"'
+            )
+        return []
+
+    @classmethod
+    def check_num_sms(cls, run: RunPlan) -> list[str]:
+        """num_sms within the GPU: exactly when the GPU is known, else within the largest known
+        GPU (start-up checks again on the device)."""
+        sms = run.gpu_sms or (gpus.lookup(run.gpu).sms if gpus.lookup(run.gpu) else 0)
+        limit = sms or gpus.MAX_SMS
+        if not 1 <= run.options.num_sms <= limit:
+            gpu = f"{run.gpu} has {sms} SMs" if sms else f"no known GPU has more than {limit} SMs"
+            raise RecipeError(
+                f"[moe_comm] num_sms = {run.options.num_sms} must be between 1 and {limit} ({gpu}; "
+                "20 leaves most of them for compute)"
+            )
+        if not sms:
+            return [f"num_sms checked against {limit} SMs (the largest known GPU); the start-up checks the real one"]
+        return []
 
     def __init__(self, layer: MoELayerSpec, ep_group: dist.ProcessGroup, config: MoEComm):
         self.layer = layer
@@ -60,11 +186,7 @@ class CommBackend(ABC):
         self.ep_group = ep_group
         self.ep_size = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
-        if layer.num_experts % self.ep_size != 0:
-            raise ValueError(
-                f"num_experts={layer.num_experts} is not divisible by the EP group size "
-                f"{self.ep_size}; set [parallelism] expert_parallel_degree to a divisor of it"
-            )
+        type(self).check_run(RunPlan.for_group(layer, ep_group, config))
         self.num_local_experts = layer.num_experts // self.ep_size
 
     @abstractmethod

@@ -12,12 +12,18 @@ bf16 grouped GEMM accepts; the float8/MXFP8 grouped-GEMM converters need the pad
 them with the "nccl" or "nvshmem" backend.
 """
 
+import importlib
+import importlib.util
+
 import torch
 import torch.distributed as dist
 
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec
+from moe_comm import gpus
+from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, RunPlan
 from moe_comm.config import MoEComm
+from moe_comm.errors import RecipeError
 
+PIN = "v1.2.1"  # the last DeepEP release with the V1 `Buffer` API that TorchTitan 0.2.2 calls
 INSTALL_HINT = (
     "[moe_comm] backend = \"deepep\" needs DeepEP v1.2.1 built from source (the `deep-ep` wheel on "
     "PyPI is a broken snapshot, DeepEP's main branch the incompatible V2). Build and install it into "
@@ -35,8 +41,62 @@ def _import_titan_deepep():
     return deepep
 
 
+def _check_deep_ep_importable() -> list[str]:
+    """deep_ep is installed here and has the V1 API (`Buffer.get_dispatch_layout`); DeepEP's main
+    branch (V2) has `ElasticBuffer` instead, which TorchTitan 0.2.2's DeepEP path cannot call."""
+    if importlib.util.find_spec("deep_ep") is None:
+        raise RecipeError(INSTALL_HINT)
+    try:
+        deep_ep = importlib.import_module("deep_ep")
+    except Exception as e:  # its CUDA extension cannot load without a GPU driver
+        if gpus.this_machine() is None:
+            return [f"deep_ep is installed but does not import on this machine ({type(e).__name__}: {e}); "
+                    "its API is checked again before the ranks start"]
+        raise RecipeError(f"deep_ep is installed but does not import ({type(e).__name__}: {e}); rebuild it. {INSTALL_HINT}") from e
+    buffer = getattr(deep_ep, "Buffer", None)
+    if buffer is None or not hasattr(buffer, "get_dispatch_layout"):
+        where = getattr(deep_ep, "__file__", "?")
+        kind = "DeepEP V2 (ElasticBuffer)" if hasattr(deep_ep, "ElasticBuffer") else "not DeepEP's V1 API"
+        raise RecipeError(
+            f"deep_ep at {where} is {kind}: TorchTitan 0.2.2's DeepEP path needs the V1 "
+            f"`deep_ep.Buffer.get_dispatch_layout`. Install the pinned release {PIN} "
+            f"(git clone --branch {PIN} https://github.com/deepseek-ai/DeepEP), or choose backend "
+            '"nccl" or "nvshmem"'
+        )
+    return []
+
+
 class DeepEPBackend(CommBackend):
     name = "deepep"
+    cuda_only = True
+
+    @classmethod
+    def check_run(cls, run: RunPlan) -> list[str]:
+        """DeepEP's own limits, which it enforces with device asserts that break the CUDA context
+        (so they must never be reached): bf16 rows, an even SM count, no padding."""
+        notes = super().check_run(run) + cls.check_num_sms(run)
+        if run.options.num_sms % 2:
+            raise RecipeError(
+                f"[moe_comm] num_sms = {run.options.num_sms}: DeepEP needs an even SM count "
+                f"(it asserts it); use {run.options.num_sms + 1} or {run.options.num_sms - 1}"
+            )
+        if run.param_dtype == "float32":
+            raise RecipeError(
+                '[training] mixed_precision_param = "float32": DeepEP\'s combine asserts on fp32 rows '
+                'and leaves the GPU unusable; use "bfloat16" with backend = "deepep", or backend '
+                '"nccl" or "nvshmem" for fp32'
+            )
+        grouped = [c for c in run.converters if c.startswith("quantize.grouped_mm")]
+        if grouped:
+            raise RecipeError(
+                f'[moe_comm] backend = "deepep" does not pad expert segments, which [model] '
+                f'converters {grouped} need; use backend "nccl" or "nvshmem", or drop them'
+            )
+        if run.python_env:
+            notes.append(f"deep_ep not checked here: the ranks run in {run.python_env}; the start-up checks it there")
+        else:
+            notes += _check_deep_ep_importable()
+        return notes
 
     def __init__(self, layer: MoELayerSpec, ep_group: dist.ProcessGroup, config: MoEComm):
         super().__init__(layer, ep_group, config)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec
+from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, RunPlan
 from moe_comm.config import MoEComm
+from moe_comm.errors import RecipeError
 from moe_comm.kernels import capacity
 from moe_comm.kernels.limits import LIMITS
 from moe_comm.kernels.runtime import NvshmemRuntime, RuntimeRequest, load_library
@@ -42,26 +43,115 @@ def token_group_alignment() -> int:
 
 class NvshmemBackend(CommBackend):
     name = "nvshmem"
+    cuda_only = True
+    fp8_dispatch = True
+    # What the kernels run (csrc/common/limits.h, read by moe_comm.kernels.limits).
+    max_ranks = LIMITS.max_ranks  # ranks in one EP group
+    max_ranks_per_node = LIMITS.max_ranks_per_node  # EP ranks per (virtual) node
+    max_nodes = LIMITS.max_nodes  # (virtual) nodes one EP group spans
+    max_top_k = LIMITS.max_top_k
+    max_experts = LIMITS.max_experts
+    fp8_block = 128  # channels per fp32 scale of an FP8 row
+
+    @classmethod
+    def check_run(cls, run: RunPlan) -> list[str]:
+        """Every rule of the kernels, before launch: the EP group's shape over (virtual) nodes,
+        the routing bounds, the SM budget, FP8 dispatch and, across real nodes, NVSHMEM's
+        InfiniBand settings in the platform environment."""
+        notes = super().check_run(run)
+        o = run.options
+        if run.score_before_experts:
+            raise RecipeError(
+                "the nvshmem backend weights expert outputs in combine; this flavor sets "
+                'score_before_experts = True, which needs [moe_comm] backend = "nccl"'
+            )
+        if not 1 <= run.top_k <= cls.max_top_k:
+            raise RecipeError(
+                f"[model] flavor routes each token to top_k = {run.top_k} experts; the nvshmem kernels "
+                f"take 1..{cls.max_top_k}: choose another flavor or backend"
+            )
+        if run.num_experts > cls.max_experts:
+            raise RecipeError(
+                f"[model] flavor has {run.num_experts} experts; the nvshmem kernels take up to "
+                f"{cls.max_experts}: choose another flavor or backend"
+            )
+        if not 1 <= run.ep <= cls.max_ranks:
+            raise RecipeError(
+                f"[parallelism] expert_parallel_degree = {run.ep}: the nvshmem kernels serve EP groups "
+                f"of 1..{cls.max_ranks} ranks"
+            )
+        vns = o.virtual_node_size
+        if vns < 0 or (vns and (run.ep % vns or run.ranks_per_node % vns)):
+            raise RecipeError(
+                f"[moe_comm] virtual_node_size = {vns} must be 0 (the real node) or divide both "
+                f"expert_parallel_degree ({run.ep}) and the ranks per node ({run.ranks_per_node}, "
+                "[cluster] gpus_per_node)"
+            )
+        node = vns or run.ranks_per_node
+        where = "virtual node ([moe_comm] virtual_node_size)" if vns else "node ([cluster] gpus_per_node)"
+        if run.ep > node and run.ep % node:
+            raise RecipeError(
+                f"[parallelism] expert_parallel_degree = {run.ep} spans several nodes, so it must be a "
+                f"multiple of the {node} ranks per {where}"
+            )
+        if run.ep < node and node % run.ep:
+            raise RecipeError(
+                f"[parallelism] expert_parallel_degree = {run.ep} does not divide the {node} ranks per "
+                f"{where}, so some EP groups would straddle two nodes; use a divisor or a multiple of {node}"
+            )
+        if min(run.ep, node) > cls.max_ranks_per_node:
+            raise RecipeError(
+                f"an EP group of {run.ep} ranks with {min(run.ep, node)} of them on one {where}: the "
+                f"nvshmem kernels take at most {cls.max_ranks_per_node} ranks per node; set "
+                f"[moe_comm] virtual_node_size = {cls.max_ranks_per_node} or less"
+            )
+        ep_nodes = max(1, run.ep // node)
+        if ep_nodes > cls.max_nodes:
+            raise RecipeError(
+                f"[parallelism] expert_parallel_degree = {run.ep} spans {ep_nodes} nodes of {node} ranks; "
+                f"the nvshmem kernels take at most {cls.max_nodes} nodes per EP group"
+            )
+        notes += cls.check_num_sms(run)
+        if o.network_sms < 0 or (ep_nodes > 1 and o.network_sms >= o.num_sms):
+            raise RecipeError(
+                f"[moe_comm] network_sms = {o.network_sms} must be 0 (half of num_sms) or below "
+                f"num_sms = {o.num_sms}: the rest forward over NVLink"
+            )
+        if not o.wait_timeout_s > 0:
+            raise RecipeError(
+                f"[moe_comm] wait_timeout_s = {o.wait_timeout_s} must be > 0: a wait without a bound "
+                "is a silent hang"
+            )
+        if o.dispatch_dtype == "fp8":
+            if run.param_dtype and run.param_dtype != "bfloat16":
+                raise RecipeError(
+                    f'[moe_comm] dispatch_dtype = "fp8" dequantises into bf16 rows, so it needs bf16 '
+                    f'parameters; [training] mixed_precision_param is "{run.param_dtype}": set it to '
+                    '"bfloat16" or use dispatch_dtype = "bf16"'
+                )
+            if run.hidden % cls.fp8_block:
+                raise RecipeError(
+                    f'[moe_comm] dispatch_dtype = "fp8" scales rows per {cls.fp8_block} channels; the '
+                    f'flavor\'s hidden size {run.hidden} is not a multiple of it: use dispatch_dtype = "bf16"'
+                )
+        if run.ep > run.ranks_per_node:  # the EP group crosses real nodes: NVSHMEM needs the network
+            if run.launch_env is None:
+                notes.append("NVSHMEM's InfiniBand settings not checked: the launch environment is not known here")
+            else:
+                transport = run.launch_env.get("NVSHMEM_REMOTE_TRANSPORT", "")
+                hcas = run.launch_env.get("NVSHMEM_HCA_LIST", "")
+                if transport.lower() in ("", "none") or not hcas:
+                    raise RecipeError(
+                        f"the EP group of {run.ep} ranks spans {run.ep_nodes} nodes, so NVSHMEM needs the "
+                        f"network, but {run.launch_env_source} sets NVSHMEM_REMOTE_TRANSPORT = "
+                        f"{transport or '(unset)'!r} and NVSHMEM_HCA_LIST = {hcas or '(unset)'!r}: export "
+                        "NVSHMEM_REMOTE_TRANSPORT=ibrc (or ibgda) and NVSHMEM_HCA_LIST there, as "
+                        "slurm/env/nebius-b200.sh does"
+                    )
+        return notes
 
     def __init__(self, layer: MoELayerSpec, ep_group: dist.ProcessGroup, config: MoEComm):
-        super().__init__(layer, ep_group, config)
-        if layer.score_before_experts:
-            raise ValueError(
-                "the nvshmem backend weights expert outputs in combine; this model sets "
-                "score_before_experts=True, which needs [moe_comm] backend = \"nccl\""
-            )
-        if not 1 <= layer.top_k <= LIMITS.max_top_k:
-            raise ValueError(f"top_k={layer.top_k}: the nvshmem backend supports 1..{LIMITS.max_top_k}")
-        if layer.num_experts > LIMITS.max_experts:
-            raise ValueError(f"num_experts={layer.num_experts}: the nvshmem backend supports up to {LIMITS.max_experts}")
-        if self.ep_size > LIMITS.max_ranks:
-            raise ValueError(f"an EP group of {self.ep_size} ranks: the nvshmem backend serves up to {LIMITS.max_ranks}")
-        if config.num_sms < 1:
-            raise ValueError(f"[moe_comm] num_sms = {config.num_sms} must be at least 1")
-        if config.wait_timeout_s <= 0:
-            raise ValueError(f"[moe_comm] wait_timeout_s = {config.wait_timeout_s} must be > 0")
-        if not torch.cuda.is_available():
-            raise RuntimeError('the nvshmem backend needs CUDA GPUs; on CPU use [moe_comm] backend = "nccl"')
+        super().__init__(layer, ep_group, config)  # check_run: what the kernels cannot run is refused here
         load_library(ep_group)
         self.runtime: NvshmemRuntime | None = None
         self.capacity = 0  # expert rows of the last dispatch

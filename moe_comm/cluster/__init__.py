@@ -1,2 +1,2 @@
-"""Slurm side of the project: turn a recipe into a job script (sbatch.py), check that its node
-and GPU counts fit the recipe's parallel layout (layout.py), and submit it (submit.py)."""
+"""Slurm side of the project: turn a validated recipe into a job script (sbatch.py) and submit
+it (submit.py). The validation itself, [cluster] section included, is moe_comm.recipe's."""

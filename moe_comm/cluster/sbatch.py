@@ -14,16 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_comm.config import Cluster
-from moe_comm.cluster.layout import RecipeError
+from moe_comm.errors import RecipeError
+from moe_comm.recipe import env_file_path
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "slurm" / "train.sbatch"
 LOG_DIR = REPO / "slurm" / "logs"
 """Slurm opens --output before the script runs and fails the job if the folder is missing, so
 logs go to a folder that exists in every checkout (tracked, its contents ignored)."""
-_TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
 _PLACEHOLDER = re.compile(r"@[A-Z_]+@")
-_JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # it becomes a file and folder name
 
 
 @dataclass
@@ -32,24 +31,22 @@ class JobSpec:
 
     recipe: Path
     cluster: Cluster
+    job_name: str
+    """[cluster] job_name, or the run's name from its identity (moe_comm.metrics.naming)."""
     backend: str = "nccl"
     dump_folder: str = "./outputs"
-    """The recipe's [job] dump_folder (or --job.dump_folder). The job dumps there, or into
-    {dump_folder}/{job_name} when [cluster] job_name is set, so that two experiments from one
-    recipe never share checkpoints while a requeue of either finds its own."""
+    """The recipe's [job] dump_folder (or --job.dump_folder): the base. The job dumps into
+    {dump_folder}/{job_name}, so two runs of one recipe never share checkpoints or metrics while
+    a requeue (or a resubmit of the same run) finds its own."""
     overrides: list[str] = field(default_factory=list)
-    """TorchTitan command-line overrides passed through to `moe_comm train`."""
+    """Overrides passed through to `moe_comm train` (canonical, as moe_comm.recipe parsed them)."""
     submit_command: str = ""
-
-    @property
-    def job_name(self) -> str:
-        return self.cluster.job_name or self.recipe.stem
 
     @property
     def dump_dir(self) -> Path:
         base = Path(self.dump_folder)
         base = base if base.is_absolute() else REPO / base
-        return base / self.cluster.job_name if self.cluster.job_name else base
+        return base / self.job_name
 
     @property
     def log_file(self) -> Path:
@@ -72,10 +69,6 @@ def _venv(cluster: Cluster) -> str:
 
 def directives(spec: JobSpec) -> list[str]:
     c = spec.cluster
-    if not _JOB_NAME.match(spec.job_name):
-        raise RecipeError(f"[cluster] job_name = {spec.job_name!r}: use letters, digits, '_', '.' and '-' only")
-    if not _TIME.match(c.time):
-        raise RecipeError(f"[cluster] time = {c.time!r}: use [D-]HH:MM:SS, e.g. \"04:00:00\" or \"1-00:00:00\"")
     lines = [
         f"--job-name={spec.job_name}",
         f"--nodes={c.nodes}",
@@ -93,10 +86,7 @@ def directives(spec: JobSpec) -> list[str]:
         lines.append(f"--account={c.account}")
     if c.requeue:
         lines.append("--requeue")
-    for extra in c.sbatch_args:
-        if not extra.startswith("--") or any(ch.isspace() for ch in extra):
-            raise RecipeError(f"[cluster] sbatch_args item {extra!r}: write each option as one \"--name=value\" string")
-        lines.append(extra)
+    lines += c.sbatch_args  # checked by moe_comm.recipe
     return [f"#SBATCH {line}" for line in lines]
 
 
@@ -116,15 +106,6 @@ def container_args(spec: JobSpec) -> list[str]:
     return [f"--container-image={c.container_image}", f"--container-mounts={mounts}", f"--container-workdir={REPO}"]
 
 
-def env_file(spec: JobSpec) -> Path:
-    path = Path(spec.cluster.env_file)
-    path = path if path.is_absolute() else REPO / path
-    if not path.is_file():
-        available = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "slurm" / "env").glob("*.sh"))
-        raise RecipeError(f"[cluster] env_file = {spec.cluster.env_file!r} does not exist; available: {available}")
-    return path
-
-
 def render(spec: JobSpec) -> str:
     """The job script as text; raises RecipeError naming the field to fix."""
     q = shlex.quote
@@ -135,7 +116,7 @@ def render(spec: JobSpec) -> str:
         "@REPO@": q(str(REPO)),
         "@RECIPE@": q(str(spec.recipe.resolve())),
         "@DUMP_DIR@": q(str(spec.dump_dir)),
-        "@ENV_FILE@": q(str(env_file(spec))),
+        "@ENV_FILE@": q(str(env_file_path(spec.cluster))),
         "@VENV@": q(_venv(spec.cluster)),
         "@PROCS_PER_NODE@": str(spec.cluster.gpus_per_node),
         "@TRAIN_ARGS@": " ".join(q(a) for a in train_args(spec)),

@@ -1,8 +1,15 @@
 """`python -m moe_comm submit RECIPE.toml [--nodes N] [--dry-run] [--cluster.FIELD V] [overrides]`
 
-Checks the recipe's [cluster] section against its parallel layout, renders slurm/train.sbatch
-and hands it to sbatch (or prints it with --dry-run). Everything that is not a submit option
-is a TorchTitan override (e.g. `--training.steps 3`) passed through to `moe_comm train`.
+Validates the recipe for the job it describes (moe_comm.recipe: the [cluster] section, the
+layout over its nodes, the backend's limits, the platform environment), renders
+slurm/train.sbatch and hands it to sbatch (or prints it with --dry-run). Every override,
+`--cluster.FIELD V` included, is parsed by moe_comm.recipe and passed on to `moe_comm train`.
+
+Each run gets its own identity (moe_comm.metrics.naming): the job name is [cluster] job_name or
+the run's name (recipe, backend and its options, nodes, batch...), and the job dumps into
+{job.dump_folder}/{job name}, so switching `--moe_comm.backend` never resumes another
+backend's checkpoint or appends to its metrics, while a requeue or a resubmit of the same run
+resumes its own.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe_comm.cluster.layout import RecipeError, check_world_size, cluster_from_recipe, load_recipe
+from moe_comm import recipe
 from moe_comm.cluster.sbatch import LOG_DIR, JobSpec, render
+from moe_comm.errors import RecipeError
+from moe_comm.metrics import naming
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -29,66 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _options(parser)
     parser.add_argument(
         "rest", nargs=argparse.REMAINDER,
-        help="--cluster.FIELD VALUE overrides the recipe's [cluster] section; anything else is a "
-        "TorchTitan override passed to `moe_comm train`, e.g. --training.steps 3",
+        help="--cluster.FIELD VALUE overrides the recipe's [cluster] section; any other "
+        "--section.key VALUE is a TorchTitan override passed to `moe_comm train`, e.g. --training.steps 3",
     )
 
 
-def split_rest(rest: list[str]) -> tuple[argparse.Namespace, dict[str, str], list[str]]:
-    """Pull submit options and --cluster.* pairs out of the arguments after the recipe."""
-    own = argparse.ArgumentParser(add_help=False)
-    _options(own)
-    opts, others = own.parse_known_args(rest)
-    cluster: dict[str, str] = {}
-    overrides: list[str] = []
-    i = 0
-    while i < len(others):
-        arg = others[i]
-        if arg.startswith("--cluster."):
-            key, eq, value = arg[len("--cluster."):].partition("=")
-            if not eq:
-                if i + 1 >= len(others):
-                    raise RecipeError(f"{arg} needs a value, e.g. {arg} 2")
-                value = others[i + 1]
-                i += 1
-            cluster[key] = value
-        else:
-            overrides.append(arg)
-        i += 1
-    return opts, cluster, overrides
-
-
-def pop_override(overrides: list[str], name: str) -> str | None:
-    """Remove `--name V` / `--name=V` from overrides and return V (the last one wins)."""
-    value = None
-    i = 0
+def _without(overrides: list[str], key: str) -> tuple[list[str], bool]:
+    """Canonical overrides minus `--key VALUE` (the job sets it itself); whether it was there."""
+    out, found, i = [], False, 0
     while i < len(overrides):
-        arg = overrides[i]
-        if arg == name and i + 1 < len(overrides):
-            value = overrides[i + 1]
-            del overrides[i : i + 2]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-            del overrides[i]
+        if overrides[i] == key:
+            found, i = True, i + 2
         else:
+            out.append(overrides[i])
             i += 1
-    return value
-
-
-def validate_recipe(path: Path, overrides: list[str], cluster, check_paths: bool):
-    """The full recipe validation (moe_comm.recipe), for the job's world and device, before sbatch.
-
-    Paths (tokenizer, dataset) are checked only when really submitting: on a Soperator login node
-    the jail is the workers' filesystem, while a --dry-run may render anywhere."""
-    from moe_comm import recipe as recipe_module
-
-    try:
-        return recipe_module.load(
-            str(path), list(overrides), nnodes=cluster.nodes, nproc_per_node=cluster.gpus_per_node,
-            device="cuda" if cluster.request_gpus else "cpu", check_paths=check_paths,
-        ).config
-    except recipe_module.RecipeError as e:
-        raise RecipeError(str(e)) from e
+    return out, found
 
 
 def requeue_warning(config, cluster) -> str:
@@ -104,34 +68,37 @@ def requeue_warning(config, cluster) -> str:
 
 
 def build_spec(args: argparse.Namespace) -> JobSpec:
-    opts, cluster_overrides, overrides = split_rest(list(args.rest or []))
-    # The dump folder decides where checkpoints and provenance go, so the job owns it: an
-    # override on the command line moves the base folder rather than racing the job's own.
-    dump_folder_override = pop_override(overrides, "--job.dump_folder")
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _options(own)
+    opts, rest = own.parse_known_args(list(args.rest or []))
     nodes = opts.nodes if opts.nodes is not None else args.nodes
     if nodes is not None:
-        cluster_overrides["nodes"] = nodes
+        rest += ["--cluster.nodes", str(nodes)]
     args.dry_run = args.dry_run or opts.dry_run
     args.wait = args.wait or opts.wait
-    recipe_path = Path(args.recipe)
-    recipe = load_recipe(recipe_path)
-    cluster = cluster_from_recipe(recipe, cluster_overrides)
-    check_world_size(recipe, cluster)
-    config = validate_recipe(recipe_path, overrides, cluster, check_paths=not args.dry_run)
+    # Paths (tokenizer, dataset) are checked only when really submitting: on a Soperator login
+    # node the jail is the workers' filesystem, while a --dry-run may render anywhere.
+    r = recipe.load(args.recipe, rest, check_paths=not args.dry_run)
+    config, cluster = r.config, r.config.cluster
+    for note in r.notes:
+        print(f"submit: note: {note}", file=sys.stderr)
     warning = requeue_warning(config, cluster)
     if warning:
         print(warning, file=sys.stderr)
-    argv = ["python", "-m", "moe_comm", "submit", args.recipe]
-    argv += [f"--cluster.{k}={v}" for k, v in cluster_overrides.items()]
-    argv += (["--job.dump_folder", dump_folder_override] if dump_folder_override else []) + overrides
-    return JobSpec(
-        recipe=recipe_path,
+    identity = naming.run_identity(config, r.layout.nodes, r.layout.procs_per_node)
+    # The dump folder is the base: the job owns {base}/{job name}, found again by a requeue.
+    overrides, _ = _without(r.overrides, "--job.dump_folder")
+    spec = JobSpec(
+        recipe=Path(args.recipe),
         cluster=cluster,
+        job_name=cluster.job_name or naming.run_name(identity),
         backend=config.moe_comm.backend,  # overrides applied: the env file keys NVSHMEM on it
-        dump_folder=dump_folder_override or config.job.dump_folder,
+        dump_folder=config.job.dump_folder,
         overrides=overrides,
-        submit_command=" ".join(shlex.quote(a) for a in argv),
+        submit_command=shlex.join(["python", "-m", "moe_comm", "submit", args.recipe, *r.overrides]),
     )
+    naming.claim_dump_folder(str(spec.dump_dir), identity, write=False)
+    return spec
 
 
 def main(args: argparse.Namespace) -> int:

@@ -93,7 +93,8 @@ class MoECommMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
         self.moe_comm = naming.moe_comm_config(job_config)
         if job_config.metrics.enable_wandb:
-            naming.set_wandb_env_defaults(job_config)
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
+            naming.set_wandb_env_defaults(job_config, parallel_dims.world_size // per_node, per_node)
             # W&B's own banner and end-of-run summary are some thirty console lines; the header
             # says where the run goes and the footer prints an offline run's `wandb sync`.
             os.environ.setdefault("WANDB_SILENT", "true")

@@ -5,6 +5,7 @@ TorchTitan's trainer imports this module before it reads the device or starts th
 group, so importing it:
   0. routes TorchTitan's log: one console line per step, everything else in a per-rank log
      file (moe_comm.console);
+     and starts the rank's heartbeat (moe_comm.heartbeat) when `moe_comm train` launched it;
   1. applies the CPU adaptations (moe_comm.titan.cpu) when CUDA is absent;
   2. adds our flavors ("671B_layers") to TorchTitan's deepseekv3_args;
   3. registers two train specs:
@@ -18,9 +19,10 @@ import dataclasses
 
 import torch
 
-from moe_comm import console
+from moe_comm import console, heartbeat
 
 console.setup()
+heartbeat.start()  # a rank of `moe_comm train`: liveness for hang reports, and die with torchrun
 
 if not torch.cuda.is_available():
     from moe_comm.titan import cpu

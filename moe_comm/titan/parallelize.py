@@ -3,8 +3,12 @@
 It is `torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` step for step,
 composed from TorchTitan's own functions (apply_non_moe_tp, apply_ac, apply_compile, apply_fsdp,
 apply_ddp), except that expert parallelism goes through `apply_backend_ep` (the [moe_comm]
-backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks.
+backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks. Before building, it
+asks the checks `check`, `submit` and `train` ran before launch (moe_comm.recipe.check_layout and
+the backend's check_run) again, with what the ranks see, rather than re-checking by hand.
 """
+
+import os
 
 import torch
 import torch.nn as nn
@@ -17,6 +21,9 @@ from torchtitan.models.llama3.infra.parallelize import apply_ddp
 from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp, apply_moe_ep_tp
 from torchtitan.tools.logging import logger
 
+from moe_comm import gpus, recipe
+from moe_comm.backends import backend_class
+from moe_comm.estimate import Layout
 from moe_comm.titan import cpu
 from moe_comm.titan.expert_parallel import apply_backend_ep
 
@@ -38,29 +45,35 @@ def sac_save_list(backend: str) -> set:
     return save_list
 
 
+def run_layout(parallel_dims: ParallelDims) -> Layout:
+    """The layout the ranks run, in the terms moe_comm.recipe checks before launch."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
+    d = parallel_dims
+    return Layout(d.world_size, max(1, d.world_size // per_node), per_node, d.dp_replicate, d.dp_shard,
+                  d.cp, d.tp, d.pp, d.ep, d.etp)
+
+
+def check_before_build(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
+    """The same checks `check`, `submit` and `train` ran before launch, with what the ranks see
+    (the real device and its SM count, the environment NVSHMEM reads)."""
+    layout = run_layout(parallel_dims)
+    machine = gpus.this_machine()
+    device = "cuda" if machine else "cpu"
+    recipe.check_layout(job_config, layout, model.model_args, device)
+    if parallel_dims.ep_enabled:
+        plan = recipe.run_plan(
+            job_config, layout, model.model_args, device,
+            gpu=machine[0] if machine else "", gpu_sms=machine[1] if machine else 0,
+            launch_env=dict(os.environ), launch_env_source="this process's environment",
+        )
+        backend_class(job_config.moe_comm.backend).check_run(plan)
+
+
 def parallelize_deepseekv3_moe_comm(
     model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
-    if job_config.training.seq_len % parallel_dims.seq_len_divisor != 0:
-        raise ValueError(
-            f"[training] seq_len = {job_config.training.seq_len} must be divisible by "
-            f"{parallel_dims.seq_len_divisor} (TP degree x 2 x CP degree)"
-        )
-    if job_config.parallelism.expert_parallel_comm_backend != "standard":
-        raise ValueError(
-            "[parallelism] expert_parallel_comm_backend must stay \"standard\" with "
-            "model name deepseek_v3_moe_comm; choose the backend with [moe_comm] backend"
-        )
-    if parallel_dims.tp_enabled and parallel_dims.ep_enabled:
-        raise NotImplementedError(
-            "[parallelism] tensor_parallel_degree > 1 together with expert_parallel_degree > 1 "
-            "is not supported by the moe_comm EP hook; use FSDP/PP with EP, or TP without EP"
-        )
+    check_before_build(model, parallel_dims, job_config)
     attn_type = getattr(model.model_args, "attn_type", "sdpa")
-    if parallel_dims.cp_enabled and attn_type != "sdpa":
-        raise NotImplementedError(
-            f"Context parallel needs SDPA attention; this flavor uses {attn_type!r}"
-        )
 
     if parallel_dims.tp_enabled:
         if "float8" in job_config.model.converters and job_config.quantize.linear.float8.recipe_name not in (

@@ -35,13 +35,18 @@ export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-eth0}
 export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-$NCCL_SOCKET_IFNAME}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
-# NVSHMEM over InfiniBand with GPU-initiated RDMA (IBGDA), for the backends that use NVSHMEM.
-# IBGDA also needs the NVIDIA driver options EnableStreamMemOPs=1 and PeerMappingOverride=1 on
-# the hosts (soperator/README.md) and unlimited locked memory.
+# NVSHMEM over InfiniBand with GPU-initiated RDMA (IBGDA), for the backends that use NVSHMEM
+# (the settings Nebius gives for DeepEP on Soperator). IBGDA also needs the NVIDIA driver options
+# EnableStreamMemOPs=1 and PeerMappingOverride=1 on the hosts (soperator/README.md) and
+# unlimited locked memory. `moe_comm check` and `submit` read these by sourcing the platform env
+# file before launch: an EP group across nodes needs NVSHMEM_REMOTE_TRANSPORT and an HCA list.
 moe_comm_nvshmem_ibgda() {
     export NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT:-ibrc}
     export NVSHMEM_IB_ENABLE_IBGDA=${NVSHMEM_IB_ENABLE_IBGDA:-1}
     export NVSHMEM_IBGDA_NIC_HANDLER=${NVSHMEM_IBGDA_NIC_HANDLER:-gpu}
+    # The detected HCAs (above); where none were found (a login node), every HCA but the
+    # excluded virtual NIC, in NVSHMEM's exclusion syntax.
+    export NVSHMEM_HCA_LIST=${NVSHMEM_HCA_LIST:-^${MOE_COMM_HCA_EXCLUDE:-mlx5_12}}
     ulimit -l unlimited 2>/dev/null \
         || echo "moe_comm env: could not raise the locked-memory limit (ulimit -l is $(ulimit -l)); IBGDA may fail to register memory" >&2
 }
