@@ -194,7 +194,8 @@ def calibrate(results: Path = RESULTS, validation: Path = VALIDATION) -> Calibra
     A.append(Assumption("share of HBM bandwidth the layout kernels reach (the optimizer step too)", layout_eff, "",
                         f"{bench_src}: expand's expert rows written + slots read, per second, / 4.8 TB/s"))
 
-    ref, deepep_sms = bench["deepep_v1_reference"], 24
+    ref = {op: READ[f"deepep_us.{op}"].value for op in ("dispatch", "combine")}
+    deepep_sms = 24
     deepep_rows = _one(bench, backend="nvshmem", shape="dsv3_random", num_sms=deepep_sms)["link_rows_per_rank"]
     deepep_ops = {}
     for op in ("dispatch", "combine"):
@@ -202,7 +203,7 @@ def calibrate(results: Path = RESULTS, validation: Path = VALIDATION) -> Calibra
         deepep_ops[op] = OpCost(ops[op].link_efficiency, (ref[op] - floor - link) * deepep_sms / BENCH_TOKENS)
         A.append(Assumption(f"DeepEP {op}: fixed cost per token per SM (our link efficiency assumed)",
                             deepep_ops[op].per_token_sm_us, "us x SM",
-                            f"{bench_src} deepep_v1_reference ({ref[op]:.0f} us at 24 SMs; NOTES §4)"))
+                            f"read figure deepep_us.{op} ({ref[op]:.0f} us at 24 SMs; NOTES §4), with {bench_src}"))
 
     nccl_call, nccl_row = _fit_nccl_forward(bench)
     A.append(Assumption("nccl path: per forward round trip (counts exchange, host syncs, launches)", nccl_call, "us",

@@ -56,6 +56,15 @@ READ = {
     "nvlink_gbps.B200": Assumption("NVLink per GPU, per direction, B200", 900.0, "GB/s",
                                    "NVIDIA B200 datasheet (NVLink 5, 1.8 TB/s bidirectional); issue 12"),
     "hbm_tbs.H200": Assumption("HBM bandwidth, H200", 4.8, "TB/s", "NVIDIA H200 datasheet"),
+    # DeepEP's own kernels have not been run into results/ yet (the two-GPU issue runs them in the
+    # benchmark itself); until then the model prices them from the field notes' record of
+    # DeepEP v1.2.1's tests/test_intranode.py on this project's 2xH200 machine.
+    "deepep_us.dispatch": Assumption("DeepEP v1.2.1 intranode BF16 dispatch, 2 ranks, 4096 tokens, hidden 7168, "
+                                     "top-8, 256 experts, 24 SMs", 353.0, "us",
+                                     "NOTES.md section 4 (DeepEP's test on the 2xH200 machine, 2026-11-30); not a "
+                                     "results/ figure"),
+    "deepep_us.combine": Assumption("DeepEP v1.2.1 intranode combine, same run", 393.0, "us",
+                                    "NOTES.md section 4, as above"),
     "hbm_tbs.H100": Assumption("HBM bandwidth, H100 SXM", 3.35, "TB/s", "NVIDIA H100 datasheet"),
     "hbm_tbs.B200": Assumption("HBM bandwidth, B200", 8.0, "TB/s", "NVIDIA B200 datasheet"),
     "nic_gbps": Assumption("network per GPU (one CX7 400 Gb/s NIC per GPU)", 50.0, "GB/s",

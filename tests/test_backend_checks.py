@@ -118,7 +118,7 @@ def deep_ep_package(tmp_path, monkeypatch):
 def test_deepep_missing_says_how_to_build_the_pin():
     with pytest.raises(RecipeError) as e:
         DeepEPBackend.check_run(plan("deepep"))
-    assert "from source" in str(e.value) and "--branch v1.2.1" in str(e.value)
+    assert "from source" in str(e.value) and "v1.2.1" in str(e.value) and "python -m moe_comm build-deepep" in str(e.value)
 
 
 def test_deepep_v2_is_refused_naming_the_pin(deep_ep_package):

@@ -60,7 +60,7 @@ def _check_deep_ep_importable() -> list[str]:
         raise RecipeError(
             f"deep_ep at {where} is {kind}: TorchTitan 0.2.2's DeepEP path needs the V1 "
             f"`deep_ep.Buffer.get_dispatch_layout`. Install the pinned release {PIN} "
-            f"(git clone --branch {PIN} https://github.com/deepseek-ai/DeepEP), or choose backend "
+            "with `python -m moe_comm build-deepep`, or choose backend "
             '"nccl" or "nvshmem"'
         )
     return []
