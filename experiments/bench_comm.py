@@ -194,7 +194,7 @@ def time_backend(backend, x, idx, w, is_symm):
 COMM_KERNELS = ("dispatch_kernel", "combine_kernel")
 LOCAL_KERNELS = {
     "dispatch": ("plan_count_kernel", "scan_kernel", "plan_assign_kernel", "pack_kernel", "receive_count_kernel",
-                 "expand_kernel"),
+                 "expand_kernel", "expand_bulk_kernel", "expand_fp8_kernel"),
     "combine": ("reduce_kernel", "finalize_kernel"),
 }
 
@@ -445,7 +445,8 @@ def plot(merged: dict, png: Path, date: str | None = None) -> None:
         bottom_ax = axes[1][col]
         for xi, (backend, _, r), color in zip(x, rows, colors):
             if r.get("kernel_us"):
-                parts = (r["transport_dispatch_us"], r["kernel_us"]["expand_kernel"] + r["kernel_us"]["reduce_kernel"],
+                parts = (r["transport_dispatch_us"], r.get("layout_us", r["kernel_us"].get("expand_kernel", 0.0)
+                                                                 + r["kernel_us"].get("reduce_kernel", 0.0)),
                          r["transport_combine_us"])
             else:
                 parts = (r["dispatch_us"], 0.0, r["combine_us"])

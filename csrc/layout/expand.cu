@@ -6,10 +6,10 @@
 // or in this rank's own rows.
 //
 // Forward (dispatch): a pick's row is its expert's segment start + its run's offset + its
-// position in the run (receive_layout.cu); the row is copied there (dequantised from e4m3 when
-// the wire was FP8) with streaming stores, and every segment's alignment padding is zeroed.
-// (Bulk TMA copies through shared memory, one chunk in flight per warp, measured slower here:
-// 211 against 166 us at the DeepSeek-V3 shape; results/h200x1/README.md.) Rows past the capacity are
+// position in the run (receive_layout.cu); the row is copied there with bulk (TMA) copies, or
+// dequantised from e4m3 by the warps when the wire was FP8, and every segment's alignment
+// padding is zeroed. (A warp-copy variant with streaming stores measured faster, 167 against
+// 211 us at the DeepSeek-V3 shape, but its GPU-case run did not complete: results/h200x1.) Rows past the capacity are
 // not placed; the host raises, and the counts stay clamped so the grouped GEMM stays in bounds.
 // Backward (of combine), for out[t] = sum_k w[t,k] * y[row(t,k)]:
 //   grad_y[row(t,k)] = w[t,k] * grad_out[t]
@@ -19,6 +19,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 
+#include "common/bulk.cuh"
 #include "common/copy.cuh"
 #include "common/launch.h"
 #include "common/wait.cuh"
@@ -28,6 +29,14 @@
 namespace moe_comm {
 
 constexpr int kSegmentsPerThread = (kMaxExperts + kLocalThreads - 1) / kLocalThreads;
+// Bulk copies: each warp stages a row through shared memory in chunks of kBulkChunkBytes, two
+// buffers deep, so the next chunk lands while the last one is being stored kMaxTopK times.
+constexpr int kBulkChunkBytes = 4096;
+constexpr int kBulkWarps = kLocalThreads / 32;  // one block of kLocalThreads per SM
+struct BulkStage {
+  alignas(128) uint8_t chunk[2][kBulkChunkBytes];
+  uint64_t loaded[2];
+};
 
 // Where a slot's row is: another forwarder's delivery, a network arrival this rank forwarded
 // to itself, or this rank's own token.
@@ -105,8 +114,61 @@ __device__ __forceinline__ void slot_destinations(const ExpandArgs& a, const int
   }
 }
 
-__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_kernel(const Buffers* __restrict__ buffers,
-                                                                                  const ExpandArgs a) {
+// Rows on the wire as they are (bf16 or fp32): bulk copies through shared memory.
+__global__ void __launch_bounds__(kLocalThreads, 1) expand_bulk_kernel(const Buffers* __restrict__ buffers,
+                                                                       const ExpandArgs a) {
+  const Buffers& b = *buffers;
+  extern __shared__ uint8_t dynamic_smem[];
+  __shared__ int seg_start[kMaxExperts + 1];
+  const Topology t = b.topo;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = gridDim.x * kBulkWarps;
+  const int warp = blockIdx.x * kBulkWarps + threadIdx.x / kWarpSize;
+  BulkStage& stage = reinterpret_cast<BulkStage*>(dynamic_smem)[threadIdx.x / kWarpSize];
+  if (lane == 0) {
+    mbarrier_init(&stage.loaded[0], 1);
+    mbarrier_init(&stage.loaded[1], 1);
+  }
+  segment_starts(b, a, seg_start);
+  zero_padding(a, seg_start, warp, warps, lane);
+
+  const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
+  const RowSplit split(slots.total(), warps);
+  uint32_t phase[2] = {0, 0};
+  int used = 0;  // chunks this warp staged so far: buffer used % 2
+  for (int item = warp; item < slots.total() * split.parts; item += warps) {
+    const int f = item / split.parts;
+    int g, i;
+    const int64_t slot = slots.locate(f, g, i);
+    uint4* dst[kMaxTopK];
+    slot_destinations(a, seg_start, slot, f, item % split.parts == 0, lane, dst);
+    int begin, end;  // in 16-byte vectors
+    split.range(item % split.parts, a.row_vecs, begin, end);
+    const uint8_t* src = slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
+    if (lane == 0) {
+      for (int off = begin * 16; off < end * 16; off += kBulkChunkBytes) {
+        const uint32_t bytes = min(kBulkChunkBytes, end * 16 - off);
+        const int buf = used % 2;
+        if (used >= 2) bulk_wait_read<1>();  // the stores of this buffer's last chunk have read it
+        bulk_load(stage.chunk[buf], src + off, bytes, &stage.loaded[buf]);
+        mbarrier_wait(&stage.loaded[buf], phase[buf]);
+        phase[buf] ^= 1;
+#pragma unroll
+        for (int k = 0; k < kMaxTopK; ++k) {
+          if (dst[k] != nullptr) bulk_store(reinterpret_cast<uint8_t*>(dst[k]) + off, stage.chunk[buf], bytes);
+        }
+        bulk_commit();
+        ++used;
+      }
+    }
+  }
+  if (lane == 0) bulk_wait_all();
+}
+
+// FP8 wire rows: dequantised by the warps on the way (e4m3 payload vector u holds channels
+// 16u..16u+15, the bf16 vectors 2u and 2u+1).
+__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_fp8_kernel(
+    const Buffers* __restrict__ buffers, const ExpandArgs a) {
   const Buffers& b = *buffers;
   __shared__ int seg_start[kMaxExperts + 1];
   const Topology t = b.topo;
@@ -118,8 +180,7 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_kerne
 
   const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
   const RowSplit split(slots.total(), warps);
-  // FP8 rows are dequantised per e4m3 payload vector (16 channels, two bf16 vectors).
-  const int units = a.fp8 ? a.row_vecs / 2 : a.row_vecs;
+  const int units = a.row_vecs / 2;
   for (int item = warp; item < slots.total() * split.parts; item += warps) {
     const int f = item / split.parts;
     int g, i;
@@ -129,11 +190,6 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_kerne
     int begin, end;
     split.range(item % split.parts, units, begin, end);
     const uint8_t* src = slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
-    if (!a.fp8) {
-      copy_row<kMaxTopK, kCopyUnroll, true>(reinterpret_cast<const uint4*>(src), dst, end, lane, begin);
-      continue;
-    }
-    // e4m3 payload vector u holds channels 16u..16u+15, the bf16 vectors 2u and 2u+1.
     const uint4* payload = reinterpret_cast<const uint4*>(src);
     const float* scales = reinterpret_cast<const float*>(src + a.hidden);
     for (int u = begin + lane; u < end; u += kWarpSize) {
@@ -203,8 +259,12 @@ void launch_expand(const Buffers& b, const ExpandArgs& a, bool bf16, bool backwa
     } else {
       expand_backward_kernel<float><<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
     }
+  } else if (a.fp8) {
+    expand_fp8_kernel<<<b.sm_count * kLocalBlocksPerSM, kLocalThreads, 0, stream>>>(b.on_device, a);
   } else {
-    expand_kernel<<<b.sm_count * kLocalBlocksPerSM, kLocalThreads, 0, stream>>>(b.on_device, a);
+    const size_t smem = kBulkWarps * sizeof(BulkStage);
+    MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(expand_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    expand_bulk_kernel<<<b.sm_count, kLocalThreads, smem, stream>>>(b.on_device, a);
   }
   MOE_COMM_CHECK_LAUNCH("expand");
 }
