@@ -102,3 +102,13 @@ def test_check_cli_reports_errors(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert main(["check", "recipes/debug_cpu.toml", "--parallelism.expert_parallel_degree", "3"]) == 2
     assert "expert_parallel_degree = 3" in capsys.readouterr().err
+
+
+def test_check_cli_on_flagship_with_nvshmem_prints_its_buffers(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["check", "recipes/deepseek_v3_671b_b200.toml", "--skip-files", "--moe_comm.backend", "nvshmem"]) == 0
+    out = capsys.readouterr().out
+    # EP 32 = 4 nodes of 8; 1 x 4096 tokens per microbatch; buffers at 2x the expected load
+    assert "nvshmem     4 node(s) x 8 per EP group, 4096 tokens per call" in out
+    assert "12,288 net slots, 12,288 send slots" in out and "symmetric heap" in out
+    assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]

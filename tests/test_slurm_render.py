@@ -295,3 +295,10 @@ def test_backend_override_reaches_the_env_file():
     assert "export MOE_COMM_BACKEND=deepep\n" in dry_run(B200_671B, "--moe_comm.backend", "deepep",
                                                       "--cluster.container_image", "img")
     assert "export MOE_COMM_BACKEND=nvshmem\n" in dry_run(B200_671B, "--moe_comm.backend=nvshmem")
+
+
+def test_flagship_with_nvshmem_renders_its_job():
+    """The headline: DeepSeek-V3 671B with EP 32 across 4 nodes on the project's own kernels."""
+    script = dry_run(REPO / "recipes" / "deepseek_v3_671b_b200.toml", "--moe_comm.backend", "nvshmem")
+    assert "#SBATCH --nodes=32" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "--moe_comm.backend nvshmem" in script and "slurm/env/nebius-b200.sh" in script
