@@ -30,7 +30,8 @@ def train(dump: Path, *overrides: str, timeout: float = 300) -> subprocess.Compl
 
 
 def steps(console: str) -> list[int]:
-    return sorted({int(s) for s in re.findall(r"step:\s*(\d+)\s+loss", console)})
+    """The steps the console's step lines report (moe_comm.metrics.step_line: `step N/TOTAL ...`)."""
+    return sorted({int(s) for s in re.findall(r"step +(\d+)/\d+ ", console)})
 
 
 @pytest.fixture(scope="module")
