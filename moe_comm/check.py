@@ -70,7 +70,8 @@ def report(r: recipe.Recipe) -> str:
            f"gradients {mem.gradients / G:.1f} + gradient reduce {mem.grad_reduce / G:.1f}")
         + f"; reserved by the allocator ~{mem.reserved / G:.1f}; {_verdict(mem.total / G, r)}",
     ]
-    gpu = "cpu" if r.device == "cpu" else (gpus.lookup(r.plan.gpu).model if gpus.lookup(r.plan.gpu) else "")
+    known = gpus.lookup(r.plan.gpu)
+    gpu = "cpu" if r.device == "cpu" else (known.model if known else "")
     lines += _scale_model_lines(r, gpu)
     lines += _nvshmem_buffer_lines(r, args)
     lines += [f"note        {note}" for note in r.notes]
@@ -84,15 +85,20 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
     c = r.config
     if c.moe_comm.backend != "nvshmem" or r.layout.ep <= 1:
         return []
+    from moe_comm.routing_plan import GROUPED_GEMM_ALIGNMENT
+    from moe_comm.scale_model import workload_from_recipe
+
     mc, t, lay = c.moe_comm, c.training, r.layout
-    per_node = mc.virtual_node_size or min(lay.ep, lay.procs_per_node)
-    tokens = mc.max_tokens_per_rank or t.local_batch_size * t.seq_len
-    if lay.pp > 1:
-        tokens = mc.max_tokens_per_rank or c.parallelism.pipeline_parallel_microbatch_size * t.seq_len
+    w = workload_from_recipe(r)  # tokens per MoE call and ranks per (virtual) node, as the model counts them
+    per_node = w.ranks_per_node
+    tokens = mc.max_tokens_per_rank or w.tokens_per_call
+    converters = c.model.converters
+    align = GROUPED_GEMM_ALIGNMENT["mxfp8" if "quantize.grouped_mm.mx" in converters
+                                   else "fp8" if "quantize.grouped_mm.float8" in converters else "bf16"]
     m = args.moe_args
     row = args.dim * (4 if t.mixed_precision_param == "float32" else 2)
     s = capacity.buffer_sizes(tokens, m.num_experts, m.top_k, row, lay.ep, per_node, mc.recv_capacity_factor)
-    rows = capacity.expert_rows(tokens, m.num_experts, m.top_k, lay.ep, mc.recv_capacity_factor, 8)
+    rows = capacity.expert_rows(tokens, m.num_experts, m.top_k, lay.ep, mc.recv_capacity_factor, align)
     return [
         f"nvshmem     {s.nodes} node(s) x {per_node} per EP group, {tokens} tokens per call; buffers per rank "
         f"(recv_capacity_factor {mc.recv_capacity_factor:g}): {per_node} x {s.fwd_slots:,} recv slots, "
