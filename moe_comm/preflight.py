@@ -67,7 +67,8 @@ class Pair:
 
 
 def pairs_from_times(elapsed_ns: list[list[int]], bytes_: int, iters: int, ranks_per_node: int) -> list[Pair]:
-    """elapsed_ns[src][dst]: the time src's step to dst took (both directions of a step busy)."""
+    """elapsed_ns[src][dst]: the time src's step to dst took (both directions of a step busy);
+    -1 where a wait gave up, so no bandwidth is made up for a step that did not finish."""
     out = []
     for src, row in enumerate(elapsed_ns):
         for dst, ns in enumerate(row):

@@ -44,6 +44,7 @@ CASES = [
     "grad_h2048_top6_fp32",
     "grad_h7168_top8_bf16",
     "grad_every_node_top8_fp32",
+    "grad_padding_rows_zero",
     "many_calls_changing_routing",
     "capacity_overflow_raises",
     "cuda_graph_dispatch_dispatch_combine",
@@ -118,6 +119,20 @@ def reports(tmp_path_factory):
         mps.start()
     results, port = {}, 29600
     try:
+        # First the preflight verb (what a user runs first) on 2 virtual nodes x 2: every pair
+        # probed through put/signal.
+        env = dict(os.environ, **DEVICE_ENV)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "moe_comm", "preflight", "--virtual-node", "2",
+             "--bytes", str(1 << 20), "--iters", "5", "--json", str(out / "preflight_2x2.json")],
+            env=env, capture_output=True, text=True, timeout=300)
+        (out / "preflight_2x2.log").write_text(proc.stdout + proc.stderr)
+        path = out / "preflight_2x2.json"
+        results["preflight"] = (json.loads(path.read_text()) | {"exit": proc.returncode} if path.exists()
+                                else {"missing": (proc.stdout + proc.stderr)[-8000:]})
+        port += 1
         while jobs:
             batch, used = [], 0
             for job in list(jobs):
@@ -138,18 +153,6 @@ def reports(tmp_path_factory):
                 report = out / f"nvshmem_cases_{_layout_id(*key)}.json"
                 log = (out / f"nvshmem_cases_{_layout_id(*key)}.log").read_text()
                 results[key] = json.loads(report.read_text()) if report.exists() else {"missing": log[-8000:]}
-        # The preflight verb on 2 virtual nodes x 2: every pair probed through put/signal.
-        env = dict(os.environ, **DEVICE_ENV)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "moe_comm", "preflight", "--virtual-node", "2",
-             "--bytes", str(1 << 20), "--iters", "5", "--json", str(out / "preflight_2x2.json")],
-            env=env, capture_output=True, text=True, timeout=300)
-        (out / "preflight_2x2.log").write_text(proc.stdout + proc.stderr)
-        path = out / "preflight_2x2.json"
-        results["preflight"] = (json.loads(path.read_text()) | {"exit": proc.returncode} if path.exists()
-                                else {"missing": (proc.stdout + proc.stderr)[-8000:]})
     finally:
         mps.stop()
     return results

@@ -22,81 +22,43 @@ __global__ void __launch_bounds__(kCommThreads, 1) collect_grad_w_kernel(const B
   const Buffers& b = *buffers;
   __shared__ RailPlan plan;
   __shared__ ChunkList net_items;
-  __shared__ int base[kMaxRanksPerNode + kMaxNodes + 1];  // waiter items, built once per block
+  __shared__ ArrivalList arrivals;
   cg::grid_group grid = cg::this_grid();
   const Topology t = b.topo;
   const Capacity cap = b.cap;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int N = t.nodes, G = t.local_size;
+  const int G = t.local_size;
   const uint32_t tag = b.calls[kCollectGradW] + 1;
   const Peer& self = b.peer[t.local];
 
   begin_call(b, kCollectGradW, tag, kKernelCollectGradW, false, true);
   if (threadIdx.x == 0) {
     fill_rail_plan(plan, a.rail_counts, t, cap);
-    net_items.build(plan.net_count, N);
-    // Waiter items: each own-token slot at each rank h of the node (one flag each; own tokens
-    // lead each partition), then the chunks coming home from each other node.
-    base[0] = 0;
-    for (int h = 0; h < kMaxRanksPerNode; ++h) {
-      const int count = h < G && h != t.local ? min(plan.fwd_own[h], cap.fwd_slots) : 0;
-      base[h + 1] = base[h] + count;
-    }
-    for (int m = 0; m < kMaxNodes; ++m) {
-      const int count = m < N && m != t.node ? plan.dest_count[m] : 0;
-      base[kMaxRanksPerNode + m + 1] = base[kMaxRanksPerNode + m] + (count + kChunkSlots - 1) / kChunkSlots;
-    }
+    net_items.build(plan.net_count, t.nodes);
+    arrivals.build(plan, t, cap, 1);  // one flag per own-token slot
   }
   grid.sync();
 
-  const int network_blocks = N > 1 ? a.network_blocks : 0;
+  const int network_blocks = t.nodes > 1 ? a.network_blocks : 0;
   if ((int)blockIdx.x < network_blocks) {
-    const int workers = network_blocks * kCommWarps;
-    for (int item = blockIdx.x * kCommWarps + warp; item < net_items.total(); item += workers) {
-      int n, c;
-      net_items.locate(item, n, c);
-      const int first = plan.net_off[n] + c * kChunkSlots;
-      const int n_slots = min(kChunkSlots, plan.net_count[n] - c * kChunkSlots);
-      for (int s = first; s < first + n_slots; ++s) {
-        const int idx = lane < G ? a.net_route[(int64_t)s * G + lane] : -1;
-        float sum = 0.f;  // lane k: pick k
-        for (int h = 0; h < G; ++h) {
-          const int ih = __shfl_sync(0xffffffffu, idx, h);
-          if (ih < 0) continue;
-          const int64_t slot = (int64_t)h * cap.fwd_slots + ih;
-          if (h != t.local && !wait_equal<uint32_t>(self.grad_w_flags + slot, tag, b.wait, kKernelCollectGradW,
-                                                    kPhaseGradW, t.rank_of(t.node, h))) {
-            continue;
-          }
-          if (lane < kMaxTopK) sum += self.fwd_grad_w[slot * kMaxTopK + lane];
-        }
-        if (lane < kMaxTopK) b.net_grad_w[(int64_t)s * kMaxTopK + lane] = sum;
-      }
-      __threadfence_system();
-      __syncwarp();
-      put_chunk(b, b.home_grad_w + (int64_t)(plan.home_off[n] + c * kChunkSlots) * kMaxTopK,
-                b.net_grad_w + (int64_t)first * kMaxTopK, (size_t)n_slots * kMaxTopK * sizeof(float),
-                b.home_grad_w_sig + (int64_t)t.node * cap.chunks + c, tag, n);
-    }
-    __syncwarp();
-    nvshmem_quiet();
+    send_home(b, plan, net_items, blockIdx.x * kCommWarps + warp, network_blocks * kCommWarps,
+              reinterpret_cast<const uint8_t*>(b.net_grad_w), reinterpret_cast<uint8_t*>(b.home_grad_w),
+              kMaxTopK * sizeof(float), b.home_grad_w_sig, tag, [&](int s) {
+                float sum = 0.f;  // lane k: pick k
+                for_each_part(a.net_route, s, G, lane, [&](int h, int ih) {
+                  const int64_t slot = (int64_t)h * cap.fwd_slots + ih;
+                  if (h != t.local && !wait_equal<uint32_t>(self.grad_w_flags + slot, tag, b.wait, kKernelCollectGradW,
+                                                            kPhaseGradW, t.rank_of(t.node, h))) {
+                    return;
+                  }
+                  if (lane < kMaxTopK) sum += self.fwd_grad_w[slot * kMaxTopK + lane];
+                });
+                if (lane < kMaxTopK) b.net_grad_w[(int64_t)s * kMaxTopK + lane] = sum;
+              });
   } else {
-    const int workers = (gridDim.x - network_blocks) * kCommWarps;
-    const int worker = (blockIdx.x - network_blocks) * kCommWarps + warp;
-    const int total = base[kMaxRanksPerNode + kMaxNodes];
-    for (int item = worker * kWarpSize + lane; item < total; item += workers * kWarpSize) {
-      int q = 0;
-      while (item >= base[q + 1]) ++q;
-      const int c = item - base[q];
-      if (q < kMaxRanksPerNode) {
-        wait_equal<uint32_t>(self.grad_w_flags + (int64_t)q * cap.fwd_slots + c, tag, b.wait,
-                             kKernelCollectGradW, kPhaseGradW, t.rank_of(t.node, q));
-      } else {
-        const int m = q - kMaxRanksPerNode;
-        wait_equal<uint64_t>(b.home_grad_w_sig + (int64_t)m * cap.chunks + c, tag, b.wait, kKernelCollectGradW,
-                             kPhaseHomeGradW, t.rank_of(m, t.local));
-      }
-    }
+    const int waiters = (gridDim.x - network_blocks) * kCommThreads;
+    arrivals.wait(b, self.grad_w_flags, cap.fwd_slots, b.home_grad_w_sig, tag, kKernelCollectGradW, kPhaseGradW,
+                  kPhaseHomeGradW, (blockIdx.x - network_blocks) * kCommThreads + threadIdx.x, waiters);
   }
 
   grid.sync();

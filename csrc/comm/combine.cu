@@ -34,79 +34,52 @@ __global__ void __launch_bounds__(kCommThreads, 1) combine_kernel(const Buffers*
   constexpr int kElems = Vec<T>::kElems;
   __shared__ RailPlan plan;
   __shared__ ChunkList net_items;
-  // Pusher and waiter work lists (item bases), built once per block.
-  __shared__ int chunk_base[kMaxRanksPerNode + 1];
-  __shared__ int wait_base[kMaxRanksPerNode + kMaxNodes + 1];
+  __shared__ ArrivalList arrivals;
+  __shared__ int chunk_base[kMaxRanksPerNode + 1];  // pusher items, built once per block
   cg::grid_group grid = cg::this_grid();
   const Topology t = b.topo;
   const Capacity cap = b.cap;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int N = t.nodes, G = t.local_size;
+  const int G = t.local_size;
   const uint32_t tag = b.calls[kCombineLike] + 1;
   const Peer& self = b.peer[t.local];
 
   begin_call(b, kCombineLike, tag, kKernelCombine, true, true);
   if (threadIdx.x == 0) {
     fill_rail_plan(plan, a.rail_counts, t, cap);
-    net_items.build(plan.net_count, N);
+    net_items.build(plan.net_count, t.nodes);
+    arrivals.build(plan, t, cap, kChunkSlots);  // one flag per chunk of partials
     // Push: partition g's staged rows to forwarder g, chunk by chunk (items: g-major).
     chunk_base[0] = 0;
     for (int g = 0; g < kMaxRanksPerNode; ++g) {
       const int count = g < G && g != t.local ? a.recv_counts[g] : 0;
       chunk_base[g + 1] = chunk_base[g] + (count + kChunkSlots - 1) / kChunkSlots;
     }
-    // Wait: the partials of this rank's own tokens from each rank h of the node (they lead h's
-    // partition for this rank), then the chunks coming home from other nodes.
-    wait_base[0] = 0;
-    for (int h = 0; h < kMaxRanksPerNode; ++h) {
-      const int own = h < G && h != t.local ? min(plan.fwd_own[h], cap.fwd_slots) : 0;
-      wait_base[h + 1] = wait_base[h] + (own + kChunkSlots - 1) / kChunkSlots;
-    }
-    for (int m = 0; m < kMaxNodes; ++m) {
-      const int count = m < N && m != t.node ? plan.dest_count[m] : 0;
-      wait_base[kMaxRanksPerNode + m + 1] = wait_base[kMaxRanksPerNode + m] + (count + kChunkSlots - 1) / kChunkSlots;
-    }
   }
   grid.sync();
 
-  const int network_blocks = N > 1 ? a.network_blocks : 0;
+  const int network_blocks = t.nodes > 1 ? a.network_blocks : 0;
   if ((int)blockIdx.x < network_blocks) {
-    const int workers = network_blocks * kCommWarps;
-    for (int item = blockIdx.x * kCommWarps + warp; item < net_items.total(); item += workers) {
-      int n, c;
-      net_items.locate(item, n, c);
-      const int first = plan.net_off[n] + c * kChunkSlots;
-      const int n_slots = min(kChunkSlots, plan.net_count[n] - c * kChunkSlots);
-      for (int s = first; s < first + n_slots; ++s) {
-        const int idx = lane < G ? a.net_route[(int64_t)s * G + lane] : -1;
-        const uint4* rows[kMaxRanksPerNode];
-        int sources = 0;
-        for (int h = 0; h < G; ++h) {
-          const int ih = __shfl_sync(0xffffffffu, idx, h);
-          if (ih < 0) continue;
-          if (h != t.local &&
-              !wait_equal<uint32_t>(self.partial_flags + (int64_t)h * cap.fwd_chunks + ih / kChunkSlots, tag, b.wait,
-                                    kKernelCombine, kPhasePartials, t.rank_of(t.node, h))) {
-            continue;
-          }
-          const uint8_t* base = h == t.local ? self.fwd_rows : self.fwd_partials;
-          rows[sources++] = reinterpret_cast<const uint4*>(base + ((int64_t)h * cap.fwd_slots + ih) * cap.row_bytes);
-        }
-        uint4* out = reinterpret_cast<uint4*>(b.net_partials + (int64_t)s * cap.row_bytes);
-        for (int v = lane; v < a.row_vecs; v += kWarpSize) {
-          float acc[kElems] = {};
-          for (int q = 0; q < sources; ++q) accumulate<T>(acc, rows[q][v], 1.f);
-          out[v] = pack<T>(acc, 1.f);
-        }
-      }
-      __threadfence_system();
-      __syncwarp();
-      put_chunk(b, b.home_rows + (int64_t)(plan.home_off[n] + c * kChunkSlots) * cap.row_bytes,
-                b.net_partials + (int64_t)first * cap.row_bytes, (size_t)n_slots * cap.row_bytes,
-                b.home_sig + (int64_t)t.node * cap.chunks + c, tag, n);
-    }
-    __syncwarp();
-    nvshmem_quiet();  // net_partials is restaged by the next call
+    send_home(b, plan, net_items, blockIdx.x * kCommWarps + warp, network_blocks * kCommWarps, b.net_partials,
+              b.home_rows, cap.row_bytes, b.home_sig, tag, [&](int s) {
+                const uint4* rows[kMaxRanksPerNode];
+                int sources = 0;
+                for_each_part(a.net_route, s, G, lane, [&](int h, int ih) {
+                  if (h != t.local &&
+                      !wait_equal<uint32_t>(self.partial_flags + (int64_t)h * cap.fwd_chunks + ih / kChunkSlots, tag,
+                                            b.wait, kKernelCombine, kPhasePartials, t.rank_of(t.node, h))) {
+                    return;
+                  }
+                  const uint8_t* base = h == t.local ? self.fwd_rows : self.fwd_partials;
+                  rows[sources++] = reinterpret_cast<const uint4*>(base + ((int64_t)h * cap.fwd_slots + ih) * cap.row_bytes);
+                });
+                uint4* out = reinterpret_cast<uint4*>(b.net_partials + (int64_t)s * cap.row_bytes);
+                for (int v = lane; v < a.row_vecs; v += kWarpSize) {
+                  float acc[kElems] = {};
+                  for (int q = 0; q < sources; ++q) accumulate<T>(acc, rows[q][v], 1.f);
+                  out[v] = pack<T>(acc, 1.f);
+                }
+              });
   } else {
     const int workers = (gridDim.x - network_blocks) * kCommWarps;
     const int worker = (blockIdx.x - network_blocks) * kCommWarps + warp;
@@ -126,19 +99,8 @@ __global__ void __launch_bounds__(kCommThreads, 1) combine_kernel(const Buffers*
       }
       publish_flag(b.peer[g].partial_flags + (int64_t)t.local * cap.fwd_chunks + chunk, tag, lane);
     }
-    for (int item = worker; item < wait_base[kMaxRanksPerNode + kMaxNodes]; item += workers) {
-      int q = 0;
-      while (item >= wait_base[q + 1]) ++q;
-      const int c = item - wait_base[q];
-      if (q < kMaxRanksPerNode) {
-        wait_equal<uint32_t>(self.partial_flags + (int64_t)q * cap.fwd_chunks + c, tag, b.wait,
-                             kKernelCombine, kPhasePartials, t.rank_of(t.node, q));
-      } else {
-        const int m = q - kMaxRanksPerNode;
-        wait_equal<uint64_t>(b.home_sig + (int64_t)m * cap.chunks + c, tag, b.wait, kKernelCombine,
-                             kPhaseHomePartials, t.rank_of(m, t.local));
-      }
-    }
+    arrivals.wait(b, self.partial_flags, cap.fwd_chunks, b.home_sig, tag, kKernelCombine, kPhasePartials,
+                  kPhaseHomePartials, worker * kWarpSize + lane, workers * kWarpSize);
   }
 
   grid.sync();

@@ -121,7 +121,7 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& t
   // Communication.
   h.rail_counts = i32({N, N + G}, x);
   h.net_route = i32({b.cap.net_slots, G}, x);
-  h.recv_info = i32({G + 2 * L}, x);
+  h.recv_info = i32({G + 2 * L + 1}, x);  // slots per forwarder, then expand's segment info
   DispatchArgs d{};
   d.backward = false;
   d.num_tokens = (int)T;
@@ -255,6 +255,8 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_op(const at::Tensor& grad_ou
   at::Tensor grad_w = at::empty({T, K}, y.options().dtype(at::kFloat));
   ExpandArgs e{};
   e.recv_counts = recv_info.data_ptr<int32_t>();
+  e.seg_info = recv_info.data_ptr<int32_t>() + t.local_size;
+  e.local_experts = (int)(recv_info.numel() - t.local_size - 1) / 2;
   e.top_k = (int)K;
   e.capacity = (int)y.size(0);
   e.hidden = (int)y.size(1);

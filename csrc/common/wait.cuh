@@ -62,16 +62,16 @@ static __device__ __noinline__ void give_up(const WaitContext& w, int kernel, in
   }
 }
 
-// Every lane spins until *flag == value (so each lane's later loads are ordered after the
+// Every lane spins until done(*flag) (so each lane's later loads are ordered after the
 // acquire). Returns false if it gave up (timeout, or another wait of this rank did).
-template <typename Word>
-__device__ __forceinline__ bool wait_equal(const Word* flag, Word value, const WaitContext& w, int kernel, int phase,
+template <typename Word, typename Done>
+__device__ __forceinline__ bool wait_until(const Word* flag, Done done, const WaitContext& w, int kernel, int phase,
                                            int peer) {
-  if (load_acquire_sys(flag) == value) return true;
+  if (done(load_acquire_sys(flag))) return true;
   const int64_t start = global_time_ns();
   while (true) {
     for (int spin = 0; spin < 64; ++spin) {
-      if (load_acquire_sys(flag) == value) return true;
+      if (done(load_acquire_sys(flag))) return true;
     }
     if (aborted(w)) return false;
     if (global_time_ns() - start > w.timeout_ns) {
@@ -79,6 +79,21 @@ __device__ __forceinline__ bool wait_equal(const Word* flag, Word value, const W
       return false;
     }
   }
+}
+
+// A flag that carries exactly this call's tag: the protocol's handshakes keep a writer from
+// running a call ahead, so any other value means "not yet".
+template <typename Word>
+__device__ __forceinline__ bool wait_equal(const Word* flag, Word value, const WaitContext& w, int kernel, int phase,
+                                           int peer) {
+  return wait_until(flag, [value](Word v) { return v == value; }, w, kernel, phase, peer);
+}
+
+// A flag whose writer may run ahead (tags only grow): this tag or a later one.
+template <typename Word>
+__device__ __forceinline__ bool wait_at_least(const Word* flag, Word value, const WaitContext& w, int kernel,
+                                              int phase, int peer) {
+  return wait_until(flag, [value](Word v) { return v >= value; }, w, kernel, phase, peer);
 }
 
 // Called by every lane after its stores: the fence orders them (this lane's) before the flag,

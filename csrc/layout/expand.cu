@@ -12,7 +12,7 @@
 // 211 us at the DeepSeek-V3 shape, but its GPU-case run did not complete: results/h200x1.) Rows past the capacity are
 // not placed; the host raises, and the counts stay clamped so the grouped GEMM stays in bounds.
 // Backward (of combine), for out[t] = sum_k w[t,k] * y[row(t,k)]:
-//   grad_y[row(t,k)] = w[t,k] * grad_out[t]
+//   grad_y[row(t,k)] = w[t,k] * grad_out[t], the segments' padding zero
 //   grad_w[t,k]      = <grad_out[t], y[row(t,k)]>, stored at the slot's forwarder (directly
 //                      when that is this rank, through NVLink with a flag otherwise), from where
 //                      comm/collect_grad_w.cu takes it home.
@@ -47,8 +47,9 @@ __device__ __forceinline__ const uint8_t* slot_source(const Buffers& b, int g, i
   return static_cast<const uint8_t*>(own_rows) + (int64_t)origin * own_row_bytes;
 }
 
-// Segment starts (exclusive prefix of the padded per-expert totals) into shared memory; block
-// 0 also writes tokens_per_expert, the segment info and the capacity error.
+// Segment starts (exclusive prefix of the padded per-expert totals, then their sum) into shared
+// memory; block 0 also writes tokens_per_expert, the segment info for the backward and the
+// capacity error.
 __device__ __forceinline__ void segment_starts(const Buffers& b, const ExpandArgs& a, int* seg_start) {
   using BlockScan = cub::BlockScan<int, kLocalThreads>;
   __shared__ typename BlockScan::TempStorage temp;
@@ -69,24 +70,30 @@ __device__ __forceinline__ void segment_starts(const Buffers& b, const ExpandArg
       if (blockIdx.x == 0) {
         a.tokens_per_expert[e] = min(padded[j], max(0, a.capacity - starts[j]));
         a.seg_info[e] = starts[j];
-        a.seg_info[L + e] = a.column_totals[e];
+        a.seg_info[L + 1 + e] = a.column_totals[e];
       }
     }
   }
   if (threadIdx.x == 0) {
     seg_start[L] = total;
-    if (blockIdx.x == 0 && total > a.capacity) b.wait.errors[kErrorRowsNeeded] = total;
+    if (blockIdx.x == 0) {
+      a.seg_info[L] = total;
+      if (total > a.capacity) b.wait.errors[kErrorRowsNeeded] = total;
+    }
   }
   __syncthreads();
 }
 
-// Alignment padding feeds the grouped GEMM: zero it (one warp per expert).
-__device__ __forceinline__ void zero_padding(const ExpandArgs& a, const int* seg_start, int warp, int warps, int lane) {
-  uint4* out = static_cast<uint4*>(a.out);
-  for (int e = warp; e < a.local_experts; e += warps) {
-    const int pad_end = min(seg_start[e] + round_up(a.column_totals[e], a.align), a.capacity);
-    for (int row = seg_start[e] + a.column_totals[e]; row < pad_end; ++row) {
-      for (int v = lane; v < a.row_vecs; v += kWarpSize) out[(int64_t)row * a.row_vecs + v] = make_uint4(0, 0, 0, 0);
+// Alignment padding feeds the grouped GEMM: zero it, one warp per expert (segment e is rows
+// seg_start[e] .. seg_start[e + 1], its first counts[e] real). In recv_x the GEMM reads it; in
+// grad_y its weight gradient X^T dY does, where 0 x NaN from a reused allocation would be NaN.
+__device__ __forceinline__ void zero_padding(void* rows, const int* seg_start, const int* counts, int local_experts,
+                                             int capacity, int row_vecs, int warp, int warps, int lane) {
+  uint4* out = static_cast<uint4*>(rows);
+  for (int e = warp; e < local_experts; e += warps) {
+    const int pad_end = min(seg_start[e + 1], capacity);
+    for (int row = seg_start[e] + counts[e]; row < pad_end; ++row) {
+      for (int v = lane; v < row_vecs; v += kWarpSize) out[(int64_t)row * row_vecs + v] = make_uint4(0, 0, 0, 0);
     }
   }
 }
@@ -114,6 +121,19 @@ __device__ __forceinline__ void slot_destinations(const ExpandArgs& a, const int
   }
 }
 
+// Forward work item `item`: part `part` of recv slot item / parts. Returns the slot's row and
+// fills its picks' destinations (the first part records them in slot_rows).
+__device__ __forceinline__ const uint8_t* locate_item(const Buffers& b, const ExpandArgs& a, const RecvSlots& slots,
+                                                      const RowSplit& split, const int* seg_start, int item, int lane,
+                                                      uint4* (&dst)[kMaxTopK], int& part) {
+  const int f = item / split.parts;
+  int g, i;
+  const int64_t slot = slots.locate(f, g, i);
+  part = item % split.parts;
+  slot_destinations(a, seg_start, slot, f, part == 0, lane, dst);
+  return slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
+}
+
 // Rows on the wire as they are (bf16 or fp32): bulk copies through shared memory.
 __global__ void __launch_bounds__(kLocalThreads, 1) expand_bulk_kernel(const Buffers* __restrict__ buffers,
                                                                        const ExpandArgs a) {
@@ -130,21 +150,18 @@ __global__ void __launch_bounds__(kLocalThreads, 1) expand_bulk_kernel(const Buf
     mbarrier_init(&stage.loaded[1], 1);
   }
   segment_starts(b, a, seg_start);
-  zero_padding(a, seg_start, warp, warps, lane);
+  zero_padding(a.out, seg_start, a.column_totals, a.local_experts, a.capacity, a.row_vecs, warp, warps, lane);
 
   const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
   const RowSplit split(slots.total(), warps);
   uint32_t phase[2] = {0, 0};
   int used = 0;  // chunks this warp staged so far: buffer used % 2
   for (int item = warp; item < slots.total() * split.parts; item += warps) {
-    const int f = item / split.parts;
-    int g, i;
-    const int64_t slot = slots.locate(f, g, i);
     uint4* dst[kMaxTopK];
-    slot_destinations(a, seg_start, slot, f, item % split.parts == 0, lane, dst);
+    int part;
+    const uint8_t* src = locate_item(b, a, slots, split, seg_start, item, lane, dst, part);
     int begin, end;  // in 16-byte vectors
-    split.range(item % split.parts, a.row_vecs, begin, end);
-    const uint8_t* src = slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
+    split.range(part, a.row_vecs, begin, end);
     if (lane == 0) {
       for (int off = begin * 16; off < end * 16; off += kBulkChunkBytes) {
         const uint32_t bytes = min(kBulkChunkBytes, end * 16 - off);
@@ -176,20 +193,17 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_fp8_k
   const int warps = gridDim.x * kLocalWarps;
   const int warp = blockIdx.x * kLocalWarps + threadIdx.x / kWarpSize;
   segment_starts(b, a, seg_start);
-  zero_padding(a, seg_start, warp, warps, lane);
+  zero_padding(a.out, seg_start, a.column_totals, a.local_experts, a.capacity, a.row_vecs, warp, warps, lane);
 
   const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
   const RowSplit split(slots.total(), warps);
   const int units = a.row_vecs / 2;
   for (int item = warp; item < slots.total() * split.parts; item += warps) {
-    const int f = item / split.parts;
-    int g, i;
-    const int64_t slot = slots.locate(f, g, i);
     uint4* dst[kMaxTopK];
-    slot_destinations(a, seg_start, slot, f, item % split.parts == 0, lane, dst);
-    int begin, end;
-    split.range(item % split.parts, units, begin, end);
-    const uint8_t* src = slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
+    int part;
+    const uint8_t* src = locate_item(b, a, slots, split, seg_start, item, lane, dst, part);
+    int begin, end;  // in e4m3 payload vectors
+    split.range(part, units, begin, end);
     const uint4* payload = reinterpret_cast<const uint4*>(src);
     const float* scales = reinterpret_cast<const float*>(src + a.hidden);
     for (int u = begin + lane; u < end; u += kWarpSize) {
@@ -218,6 +232,8 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM)
   const uint32_t collect_tag = b.calls[kCollectGradW] + 1;  // the collect call that follows
   const uint4* y = static_cast<const uint4*>(a.y);
   uint4* out = static_cast<uint4*>(a.out);
+  zero_padding(a.out, a.seg_info, a.seg_info + a.local_experts + 1, a.local_experts, a.capacity, a.row_vecs, warp,
+               warps, lane);
 
   const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
   for (int f = warp; f < slots.total(); f += warps) {

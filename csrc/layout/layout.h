@@ -76,7 +76,7 @@ struct ReceiveArgs {
 struct ExpandArgs {
   const int32_t* recv_counts;   // [G]
   const int32_t* run_counts;    // forward: scanned [local_experts][runs]
-  const int32_t* column_totals; // forward: [local_experts]
+  const int32_t* column_totals; // forward: [local_experts] true counts
   int top_k, local_experts, runs, align, capacity, hidden;
   bool fp8;                     // forward: the wire rows are e4m3 + scales
   const void* own_rows;         // this rank's own rows: forward x (or its FP8 copy), backward grad_out
@@ -88,7 +88,8 @@ struct ExpandArgs {
   const float* slot_w;
   const int32_t* slot_origin;
   int32_t* tokens_per_expert;   // forward: [local_experts], padded, clamped to capacity
-  int32_t* seg_info;            // forward: [2 * local_experts] segment starts, then true counts
+  int32_t* seg_info;            // [2 * local_experts + 1] segment starts and their end, then true counts:
+                                // forward writes, backward reads
   void* out;                    // [capacity, hidden] recv_x, or grad_y
   int row_vecs;                 // model dtype row in 16-byte vectors
 };

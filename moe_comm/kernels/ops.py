@@ -29,7 +29,7 @@ def _dispatch_fake(x, topk_idx, topk_w, num_experts, capacity, align, fp8, num_s
         i32(tokens, nodes),
         i32(nodes, nodes + local_size),
         i32(net_slots, local_size),
-        i32(local_size + 2 * local_experts),
+        i32(local_size + 2 * local_experts + 1),
         i32(slots, top_k),
         torch.empty(slots, top_k, dtype=torch.float32, device=x.device),
         i32(slots),

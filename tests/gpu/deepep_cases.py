@@ -13,13 +13,12 @@ import faulthandler
 import json
 import os
 import sys
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from case_runner import CaseLog, start_group  # noqa: E402
 from oracles import apply_experts, expert_params, gather_cpu, reference_forward, reference_layout, routing  # noqa: E402
 
 from moe_comm.backends.base import MoELayerSpec  # noqa: E402
@@ -47,23 +46,10 @@ class Cases:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = dist.group.WORLD
         self.cpu_collectives = dist.get_backend(self.group) == "gloo"
-        self.results = {}
 
     def backend(self, num_experts, top_k, hidden):
         layer = MoELayerSpec(num_experts=num_experts, top_k=top_k, hidden=hidden)
         return DeepEPBackend(layer, self.group, MoEComm(backend="deepep", num_sms=NUM_SMS))
-
-    def run(self, name, fn, *args):
-        start = time.time()
-        try:
-            fn(*args)
-            dist.barrier()
-            self.results[name] = "PASS"
-        except Exception:  # noqa: BLE001 - every failure goes to the report
-            self.results[name] = "FAIL\n" + traceback.format_exc()
-            print(f"[rank {self.rank}] {name} FAILED\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        if self.rank == 0:
-            print(f"{name}: {self.results[name].splitlines()[0]} ({time.time() - start:.1f} s)", flush=True)
 
     def layout_and_combine(self, num_tokens, hidden, num_experts, top_k, mode, seed):
         g = torch.Generator().manual_seed(seed * 100 + self.rank)
@@ -127,27 +113,17 @@ class Cases:
 def main():
     faulthandler.enable()
     report = sys.argv[1]
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ["WORLD_SIZE"])
-    gpus = torch.cuda.device_count()
-    torch.cuda.set_device(local_rank % gpus)
-    if world <= gpus:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    else:
-        dist.init_process_group("gloo")
+    gpus = start_group()
     c = Cases()
     W = c.world
-    c.run("layout_random_h7168_top8", c.layout_and_combine, 512, 7168, 32 * W, 8, "random", 1)
-    c.run("layout_one_expert_h2048_top8", c.layout_and_combine, 300, 2048, 16 * W, 8, "one_expert", 2)
-    c.run("layout_zipf_h2048_top6", c.layout_and_combine, 400, 2048, 16 * W, 6, "zipf", 3)
-    c.run("layout_top1_h2048", c.layout_and_combine, 256, 2048, 8 * W, 1, "random", 4)
-    c.run("grad_h2048_top6", c.forward_backward, 256, 2048, 16 * W, 6, 5)
-    c.run("grad_h7168_top8", c.forward_backward, 256, 7168, 32 * W, 8, 6)
-    per_rank = [None] * W
-    dist.all_gather_object(per_rank, c.results)
-    merged = {name: ("PASS" if all(r[name] == "PASS" for r in per_rank)
-                     else "FAIL\n" + "\n".join(f"rank {i}: {r[name]}" for i, r in enumerate(per_rank) if r[name] != "PASS"))
-              for name in c.results}
+    log = CaseLog()
+    log.run("layout_random_h7168_top8", c.layout_and_combine, 512, 7168, 32 * W, 8, "random", 1)
+    log.run("layout_one_expert_h2048_top8", c.layout_and_combine, 300, 2048, 16 * W, 8, "one_expert", 2)
+    log.run("layout_zipf_h2048_top6", c.layout_and_combine, 400, 2048, 16 * W, 6, "zipf", 3)
+    log.run("layout_top1_h2048", c.layout_and_combine, 256, 2048, 8 * W, 1, "random", 4)
+    log.run("grad_h2048_top6", c.forward_backward, 256, 2048, 16 * W, 6, 5)
+    log.run("grad_h7168_top8", c.forward_backward, 256, 7168, 32 * W, 8, 6)
+    merged = log.merged()
     if c.rank == 0:
         with open(report, "w") as f:
             json.dump({"world": W, "gpus": gpus, "results": merged}, f, indent=1)

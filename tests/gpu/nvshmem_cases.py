@@ -22,12 +22,12 @@ import json
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from case_runner import CaseLog, start_group  # noqa: E402
 from oracles import (  # noqa: E402
     apply_experts,
     expert_params,
@@ -58,7 +58,6 @@ class Cases:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = dist.group.WORLD
         self.virtual_node = virtual_node
-        self.results = {}
         self.first = self.backend(32 * self.world, 8, MAX_HIDDEN, factor=factor)
         # Size the buffers once for the largest case (fp32 rows of the widest hidden).
         self.first._start(torch.empty(MAX_TOKENS, MAX_HIDDEN, dtype=torch.float32, device=self.device))
@@ -79,17 +78,17 @@ class Cases:
     def route(self, T, E, K, mode, g):
         return routing(T, E, K, mode, g, self.device, self.rank, self.world, self.G)
 
-    def run(self, name, fn, *args):
-        start = time.time()
+    def raised_error(self, backend):
+        """What check_errors raises (None when nothing), the error words cleared on every rank
+        before the next case."""
+        raised = None
         try:
-            fn(*args)
-            dist.barrier()
-            self.results[name] = "PASS"
-        except Exception:  # noqa: BLE001 - every failure goes to the report
-            self.results[name] = "FAIL\n" + traceback.format_exc()
-            print(f"[rank {self.rank}] {name} FAILED\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        if self.rank == 0:
-            print(f"{name}: {self.results[name].splitlines()[0]} ({time.time() - start:.1f} s)", flush=True)
+            backend.check_errors(synchronize=True)
+        except RuntimeError as e:
+            raised = str(e)
+        runtime.NvshmemRuntime.errors(clear=True)
+        dist.barrier()
+        return raised
 
     # ---- cases -------------------------------------------------------------------------
     def layout_and_combine(self, num_tokens, hidden, num_experts, top_k, dtype, mode, seed, zero_rank=None, fp8=False):
@@ -185,6 +184,39 @@ class Cases:
         close(gx, nccl_ref[1], tol, "grad x (vs nccl)")
         close(gw, nccl_ref[2], gw_tol, "grad w (vs nccl)")
 
+    def grad_padding_zero(self, num_tokens, hidden, num_experts, top_k):
+        """The expert outputs' gradient is zero on every segment's alignment padding: the
+        grouped GEMM's weight gradient X^T dY reads those rows, and 0 x NaN is NaN. The block
+        grad_y reuses is filled with NaN first, so a row the kernels leave unwritten shows."""
+        g = torch.Generator().manual_seed(77 + self.rank)
+        x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
+        idx, w = self.route(num_tokens, num_experts, top_k, "random", g)
+        backend = self.backend(num_experts, top_k, hidden)
+        res = backend.dispatch(x, idx, w)
+        y = res.recv_x_RD.detach().clone().requires_grad_(True)
+        out = backend.combine(y, res.handle)
+        grad_out = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
+        poison = torch.full_like(y, float("nan"))
+        del poison  # the caching allocator hands this block to the gradient of y
+        (grad_y,) = torch.autograd.grad(out, y, grad_out)
+        torch.cuda.synchronize()
+        backend.check_errors(synchronize=True)
+        L = num_experts // self.world
+        hist = torch.bincount(idx.flatten().cpu(), minlength=num_experts).to(torch.int64).to(self.collective_device)
+        dist.all_reduce(hist)
+        real = hist.cpu()[self.rank * L:(self.rank + 1) * L].tolist()
+        padded = res.tokens_per_expert_L.cpu().tolist()
+        grad_y = grad_y.cpu()
+        start, pad_rows = 0, 0
+        for e in range(L):
+            pad = grad_y[start + real[e]:start + padded[e]]
+            assert torch.equal(pad, torch.zeros_like(pad)), f"expert {e}: padding rows of grad_y are not zero"
+            body = grad_y[start:start + real[e]]
+            assert bool(torch.isfinite(body).all()), f"expert {e}: grad_y rows are not finite"
+            pad_rows += padded[e] - real[e]
+            start += padded[e]
+        assert pad_rows > 0, "the routing left no padding to check"
+
     def many_calls(self, hidden, num_experts, top_k, calls):
         """Changing routing every call, two dispatches in a row every fifth call."""
         backend = self.backend(num_experts, top_k, hidden)
@@ -207,26 +239,26 @@ class Cases:
         assert not errors, errors
 
     def capacity_overflow(self):
-        """Every token to one rank's experts with a small capacity: the error names the field,
-        and the counts stay clamped inside recv_x."""
+        """Every token to rank 0's first two experts with expert rows for 1x the balanced load
+        (the smallest recv_capacity_factor a recipe may set): from 2 ranks on, rank 0's rows
+        overflow; the error names the field and the counts stay clamped inside recv_x. At world
+        1 the balanced load is the whole load, so nothing may overflow or be lost."""
         hidden, num_experts, top_k = 256, 8 * self.world, 2
-        backend = self.backend(num_experts, top_k, hidden, factor=0.1)
-        T = 512
+        backend = self.backend(num_experts, top_k, hidden, factor=1.0)
+        T = MAX_TOKENS
         x = torch.randn(T, hidden, device=self.device, dtype=torch.bfloat16)
         idx = torch.tensor([[0, 1]] * T, dtype=torch.int64, device=self.device)
         w = torch.ones(T, top_k, device=self.device)
         res = backend.dispatch(x, idx, w)
-        backend.combine(res.recv_x_RD, res.handle)
+        out = backend.combine(res.recv_x_RD, res.handle)
         rows_counted = int(res.tokens_per_expert_L.sum())
-        raised = None
-        try:
-            backend.check_errors(synchronize=True)
-        except RuntimeError as e:
-            raised = str(e)
-        runtime.NvshmemRuntime.errors(clear=True)
-        dist.barrier()
+        raised = self.raised_error(backend)
         assert rows_counted <= res.recv_x_RD.shape[0], f"counts {rows_counted} exceed capacity {res.recv_x_RD.shape[0]}"
-        if self.rank == 0:
+        if self.world == 1:
+            assert raised is None, f"an overflow at world 1: {raised}"
+            assert rows_counted == T * top_k, f"{rows_counted} rows counted, {T * top_k} sent"
+            assert torch.allclose(out.float(), x.float() * top_k, rtol=1e-2, atol=1e-2), "rows lost at world 1"
+        elif self.rank == 0:
             assert raised is not None and "recv_capacity_factor" in raised, f"no capacity error: {raised}"
 
     def slot_overflow(self):
@@ -241,13 +273,7 @@ class Cases:
         w = torch.ones(T, top_k, device=self.device)
         res = backend.dispatch(x, idx, w)
         backend.combine(res.recv_x_RD, res.handle)
-        raised = None
-        try:
-            backend.check_errors(synchronize=True)
-        except RuntimeError as e:
-            raised = str(e)
-        runtime.NvshmemRuntime.errors(clear=True)
-        dist.barrier()
+        raised = self.raised_error(backend)
         if self.rank == 0:
             assert raised is not None and "recv_capacity_factor" in raised, f"no capacity error: {raised}"
         # Still usable: a light call afterwards is right.
@@ -350,45 +376,35 @@ def main():
     parser.add_argument("--virtual-node", type=int, default=0)
     parser.add_argument("--errors", action="store_true")
     args = parser.parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ["WORLD_SIZE"])
-    gpus = torch.cuda.device_count()
-    torch.cuda.set_device(local_rank % gpus)
-    if world <= gpus:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    else:
-        dist.init_process_group("gloo")
+    gpus = start_group()
     c = Cases(args.virtual_node, 1.0 if args.errors else 0.0)
     bf16, fp32 = torch.bfloat16, torch.float32
     W = c.world
+    log = CaseLog()
     if args.errors:
-        c.run("slot_overflow_raises", c.slot_overflow)
-        c.run("hang_raises_on_every_rank", c.hang)
+        log.run("slot_overflow_raises", c.slot_overflow)
+        log.run("hang_raises_on_every_rank", c.hang)
     else:
-        c.run("layout_random_h7168_top8_bf16", c.layout_and_combine, 512, 7168, 32 * W, 8, bf16, "random", 1)
-        c.run("layout_random_h2048_top8_fp32", c.layout_and_combine, 512, 2048, 32 * W, 8, fp32, "random", 2)
-        c.run("layout_top1_h2048_bf16", c.layout_and_combine, 512, 2048, 8 * W, 1, bf16, "random", 3)
-        c.run("layout_one_expert_top8", c.layout_and_combine, 300, 2048, 16 * W, 8, fp32, "one_expert", 5)
-        c.run("layout_zipf_top6", c.layout_and_combine, 400, 1024, 16 * W, 6, bf16, "zipf", 6)
-        c.run("layout_own_node_only", c.layout_and_combine, 300, 1024, 16 * W, 4, bf16, "own_node", 7)
-        c.run("layout_one_other_node", c.layout_and_combine, 300, 1024, 16 * W, 4, bf16, "one_node", 8)
-        c.run("layout_every_node", c.layout_and_combine, 300, 1024, 16 * W, 8, bf16, "every_node", 9)
-        c.run("layout_zero_tokens_on_last_rank", c.layout_and_combine, 256, 2048, 8 * W, 4, bf16, "random", 10, W - 1)
-        c.run("layout_fp8_h7168_top8", c.layout_and_combine, 512, 7168, 32 * W, 8, bf16, "random", 11, None, True)
-        c.run("layout_fp8_every_node", c.layout_and_combine, 256, 2048, 16 * W, 8, bf16, "every_node", 12, None, True)
-        c.run("grad_h2048_top6_fp32", c.forward_backward, 384, 2048, 16 * W, 6, fp32, 13)
-        c.run("grad_h7168_top8_bf16", c.forward_backward, 256, 7168, 32 * W, 8, bf16, 14)
-        c.run("grad_every_node_top8_fp32", c.forward_backward, 200, 1024, 16 * W, 8, fp32, 15, "every_node")
-        c.run("many_calls_changing_routing", c.many_calls, 2048, 32 * W, 8, 20)
-        c.run("capacity_overflow_raises", c.capacity_overflow)
-        c.run("cuda_graph_dispatch_dispatch_combine", c.cuda_graph, 2048, 16 * W, 8)
-        c.run("bad_input_errors", c.bad_input)
-    per_rank = [None] * c.world
-    dist.all_gather_object(per_rank, c.results)
-    merged = {}
-    for name in c.results:
-        failures = [f"rank {r}: {res[name]}" for r, res in enumerate(per_rank) if res[name] != "PASS"]
-        merged[name] = "PASS" if not failures else "FAIL\n" + "\n".join(failures)
+        log.run("layout_random_h7168_top8_bf16", c.layout_and_combine, 512, 7168, 32 * W, 8, bf16, "random", 1)
+        log.run("layout_random_h2048_top8_fp32", c.layout_and_combine, 512, 2048, 32 * W, 8, fp32, "random", 2)
+        log.run("layout_top1_h2048_bf16", c.layout_and_combine, 512, 2048, 8 * W, 1, bf16, "random", 3)
+        log.run("layout_one_expert_top8", c.layout_and_combine, 300, 2048, 16 * W, 8, fp32, "one_expert", 5)
+        log.run("layout_zipf_top6", c.layout_and_combine, 400, 1024, 16 * W, 6, bf16, "zipf", 6)
+        log.run("layout_own_node_only", c.layout_and_combine, 300, 1024, 16 * W, 4, bf16, "own_node", 7)
+        log.run("layout_one_other_node", c.layout_and_combine, 300, 1024, 16 * W, 4, bf16, "one_node", 8)
+        log.run("layout_every_node", c.layout_and_combine, 300, 1024, 16 * W, 8, bf16, "every_node", 9)
+        log.run("layout_zero_tokens_on_last_rank", c.layout_and_combine, 256, 2048, 8 * W, 4, bf16, "random", 10, W - 1)
+        log.run("layout_fp8_h7168_top8", c.layout_and_combine, 512, 7168, 32 * W, 8, bf16, "random", 11, None, True)
+        log.run("layout_fp8_every_node", c.layout_and_combine, 256, 2048, 16 * W, 8, bf16, "every_node", 12, None, True)
+        log.run("grad_h2048_top6_fp32", c.forward_backward, 384, 2048, 16 * W, 6, fp32, 13)
+        log.run("grad_h7168_top8_bf16", c.forward_backward, 256, 7168, 32 * W, 8, bf16, 14)
+        log.run("grad_every_node_top8_fp32", c.forward_backward, 200, 1024, 16 * W, 8, fp32, 15, "every_node")
+        log.run("grad_padding_rows_zero", c.grad_padding_zero, 256, 2048, 32 * W, 8)
+        log.run("many_calls_changing_routing", c.many_calls, 2048, 32 * W, 8, 20)
+        log.run("capacity_overflow_raises", c.capacity_overflow)
+        log.run("cuda_graph_dispatch_dispatch_combine", c.cuda_graph, 2048, 16 * W, 8)
+        log.run("bad_input_errors", c.bad_input)
+    merged = log.merged()
     if c.rank == 0:
         with open(args.report, "w") as f:
             json.dump({"world": c.world, "virtual_node": args.virtual_node, "ranks_per_node": c.G, "nodes": c.N,
