@@ -194,7 +194,7 @@ def time_backend(backend, x, idx, w, is_symm):
 COMM_KERNELS = ("dispatch_kernel", "combine_kernel")
 LOCAL_KERNELS = {
     "dispatch": ("plan_count_kernel", "scan_kernel", "plan_assign_kernel", "pack_kernel", "receive_count_kernel",
-                 "expand_kernel", "expand_bulk_kernel", "expand_fp8_kernel"),
+                 "expand_kernel"),
     "combine": ("reduce_kernel", "finalize_kernel"),
 }
 

@@ -1,16 +1,17 @@
 // Expand: the arrived rows, laid out expert-major for TorchTitan's grouped GEMM.
 //
 // A local kernel over the whole GPU, launched once the dispatch-like communication kernel saw
-// every row arrive. Each warp takes one recv slot; its row is in fwd_rows (delivered by another
-// forwarder of the node), in net_slots (arrived over the network, this rank its own forwarder)
-// or in this rank's own rows.
+// every row arrive. Each warp takes one recv slot (or a part of one, for small calls); its row
+// is in fwd_rows (delivered by another forwarder of the node), in net_slots (arrived over the
+// network, this rank its own forwarder) or in this rank's own rows.
 //
 // Forward (dispatch): a pick's row is its expert's segment start + its run's offset + its
-// position in the run (receive_layout.cu); the row is copied there with bulk (TMA) copies, or
-// dequantised from e4m3 by the warps when the wire was FP8, and every segment's alignment
-// padding is zeroed. (A warp-copy variant with streaming stores measured faster, 167 against
-// 211 us at the DeepSeek-V3 shape, but its GPU-case run did not complete: results/h200x1.) Rows past the capacity are
-// not placed; the host raises, and the counts stay clamped so the grouped GEMM stays in bounds.
+// position in the run (receive_layout.cu); the warp copies the row there with streaming stores
+// (or dequantises it from e4m3 when the wire was FP8), and every segment's alignment padding is
+// zeroed. Warp copies measured faster than bulk (TMA) copies through shared memory at both
+// sizes, in one run: 165.7 against 212.0 us at the DeepSeek-V3 shape, 24.9 against 29.7 at 128
+// tokens (results/h200x1, run 7). Rows past the capacity are not placed; the host raises, and
+// the counts stay clamped so the grouped GEMM stays in bounds.
 // Backward (of combine), for out[t] = sum_k w[t,k] * y[row(t,k)]:
 //   grad_y[row(t,k)] = w[t,k] * grad_out[t], the segments' padding zero
 //   grad_w[t,k]      = <grad_out[t], y[row(t,k)]>, stored at the slot's forwarder (directly
@@ -19,7 +20,6 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 
-#include "common/bulk.cuh"
 #include "common/copy.cuh"
 #include "common/launch.h"
 #include "common/wait.cuh"
@@ -29,14 +29,6 @@
 namespace moe_comm {
 
 constexpr int kSegmentsPerThread = (kMaxExperts + kLocalThreads - 1) / kLocalThreads;
-// Bulk copies: each warp stages a row through shared memory in chunks of kBulkChunkBytes, two
-// buffers deep, so the next chunk lands while the last one is being stored kMaxTopK times.
-constexpr int kBulkChunkBytes = 4096;
-constexpr int kBulkWarps = kLocalThreads / 32;  // one block of kLocalThreads per SM
-struct BulkStage {
-  alignas(128) uint8_t chunk[2][kBulkChunkBytes];
-  uint64_t loaded[2];
-};
 
 // Where a slot's row is: another forwarder's delivery, a network arrival this rank forwarded
 // to itself, or this rank's own token.
@@ -134,58 +126,12 @@ __device__ __forceinline__ const uint8_t* locate_item(const Buffers& b, const Ex
   return slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
 }
 
-// Rows on the wire as they are (bf16 or fp32): bulk copies through shared memory.
-__global__ void __launch_bounds__(kLocalThreads, 1) expand_bulk_kernel(const Buffers* __restrict__ buffers,
-                                                                       const ExpandArgs a) {
-  const Buffers& b = *buffers;
-  extern __shared__ uint8_t dynamic_smem[];
-  __shared__ int seg_start[kMaxExperts + 1];
-  const Topology t = b.topo;
-  const int lane = threadIdx.x % kWarpSize;
-  const int warps = gridDim.x * kBulkWarps;
-  const int warp = blockIdx.x * kBulkWarps + threadIdx.x / kWarpSize;
-  BulkStage& stage = reinterpret_cast<BulkStage*>(dynamic_smem)[threadIdx.x / kWarpSize];
-  if (lane == 0) {
-    mbarrier_init(&stage.loaded[0], 1);
-    mbarrier_init(&stage.loaded[1], 1);
-  }
-  segment_starts(b, a, seg_start);
-  zero_padding(a.out, seg_start, a.column_totals, a.local_experts, a.capacity, a.row_vecs, warp, warps, lane);
-
-  const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
-  const RowSplit split(slots.total(), warps);
-  uint32_t phase[2] = {0, 0};
-  int used = 0;  // chunks this warp staged so far: buffer used % 2
-  for (int item = warp; item < slots.total() * split.parts; item += warps) {
-    uint4* dst[kMaxTopK];
-    int part;
-    const uint8_t* src = locate_item(b, a, slots, split, seg_start, item, lane, dst, part);
-    int begin, end;  // in 16-byte vectors
-    split.range(part, a.row_vecs, begin, end);
-    if (lane == 0) {
-      for (int off = begin * 16; off < end * 16; off += kBulkChunkBytes) {
-        const uint32_t bytes = min(kBulkChunkBytes, end * 16 - off);
-        const int buf = used % 2;
-        if (used >= 2) bulk_wait_read<1>();  // the stores of this buffer's last chunk have read it
-        bulk_load(stage.chunk[buf], src + off, bytes, &stage.loaded[buf]);
-        mbarrier_wait(&stage.loaded[buf], phase[buf]);
-        phase[buf] ^= 1;
-#pragma unroll
-        for (int k = 0; k < kMaxTopK; ++k) {
-          if (dst[k] != nullptr) bulk_store(reinterpret_cast<uint8_t*>(dst[k]) + off, stage.chunk[buf], bytes);
-        }
-        bulk_commit();
-        ++used;
-      }
-    }
-  }
-  if (lane == 0) bulk_wait_all();
-}
-
-// FP8 wire rows: dequantised by the warps on the way (e4m3 payload vector u holds channels
-// 16u..16u+15, the bf16 vectors 2u and 2u+1).
-__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_fp8_kernel(
-    const Buffers* __restrict__ buffers, const ExpandArgs a) {
+// Forward. Rows on the wire as they are (bf16 or fp32): warp copies, kCopyUnroll loads in
+// flight per lane, streaming stores (the GEMM reads the rows next, not this kernel). FP8 wire
+// rows: dequantised on the way (e4m3 payload vector u holds channels 16u..16u+15, the bf16
+// vectors 2u and 2u+1).
+__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_kernel(const Buffers* __restrict__ buffers,
+                                                                                  const ExpandArgs a) {
   const Buffers& b = *buffers;
   __shared__ int seg_start[kMaxExperts + 1];
   const Topology t = b.topo;
@@ -197,13 +143,17 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_fp8_k
 
   const RecvSlots slots(a.recv_counts, t.local_size, b.cap.fwd_slots);
   const RowSplit split(slots.total(), warps);
-  const int units = a.row_vecs / 2;
+  const int units = a.fp8 ? a.row_vecs / 2 : a.row_vecs;  // 16-byte vectors on the wire
   for (int item = warp; item < slots.total() * split.parts; item += warps) {
     uint4* dst[kMaxTopK];
     int part;
     const uint8_t* src = locate_item(b, a, slots, split, seg_start, item, lane, dst, part);
-    int begin, end;  // in e4m3 payload vectors
+    int begin, end;
     split.range(part, units, begin, end);
+    if (!a.fp8) {
+      copy_row<kMaxTopK, kCopyUnroll, true>(reinterpret_cast<const uint4*>(src), dst, end, lane, begin);
+      continue;
+    }
     const uint4* payload = reinterpret_cast<const uint4*>(src);
     const float* scales = reinterpret_cast<const float*>(src + a.hidden);
     for (int u = begin + lane; u < end; u += kWarpSize) {
@@ -275,12 +225,8 @@ void launch_expand(const Buffers& b, const ExpandArgs& a, bool bf16, bool backwa
     } else {
       expand_backward_kernel<float><<<blocks, kLocalThreads, 0, stream>>>(b.on_device, a);
     }
-  } else if (a.fp8) {
-    expand_fp8_kernel<<<b.sm_count * kLocalBlocksPerSM, kLocalThreads, 0, stream>>>(b.on_device, a);
   } else {
-    const size_t smem = kBulkWarps * sizeof(BulkStage);
-    MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(expand_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    expand_bulk_kernel<<<b.sm_count, kLocalThreads, smem, stream>>>(b.on_device, a);
+    expand_kernel<<<b.sm_count * kLocalBlocksPerSM, kLocalThreads, 0, stream>>>(b.on_device, a);
   }
   MOE_COMM_CHECK_LAUNCH("expand");
 }
