@@ -90,6 +90,8 @@ def report(env: Environment, pairs: list[Pair], failed: dict[int, str], min_gbps
         + (f"  (NVSHMEM_HCA_LIST={env.hca_list})" if env.hca_list else ""),
     ]
     ok = not failed
+    lines.append("rates       one warp's put/signal per pair, every rank sending and receiving at once: for "
+                 "comparing pairs, not a link's peak")
     for kind, same in (("NVLink (same node)", True), ("network (other nodes)", False)):
         rates = [p.gbps for p in pairs if p.same_node == same]
         if rates:

@@ -21,12 +21,19 @@ def test_pairs_and_report_name_the_slow_and_failed_pairs():
     text, ok = report(env, pairs, {2: "gave up after 5 s waiting for EP rank 1's probe"}, min_gbps=0.0)
     assert not ok
     assert "NVSHMEM_REMOTE_TRANSPORT=ibrc  IBGDA=on" in text and "mlx5_0, mlx5_1" in text
-    assert text.splitlines()[5].startswith("slowest     3->1 ")
+    assert text.splitlines()[6].startswith("slowest     3->1 ")
     assert "FAILED      rank 2: gave up" in text and "NOT ready" in text
     text, ok = report(env, pairs, {}, min_gbps=10.0)
     assert not ok and "1 pairs below --min-gbps 10" in text and "3->1" in text.split("below")[1]
     text, ok = report(env, pairs, {}, min_gbps=0.0)
     assert ok and "every pair answered" in text
+
+
+def test_a_step_that_gave_up_reports_no_bandwidth():
+    # The kernel writes -1 for a step whose wait gave up: no rate is made up for it.
+    pairs = pairs_from_times([[0, -1], [1_000_000, 0]], bytes_=1 << 20, iters=5, ranks_per_node=1)
+    by = {(p.src, p.dst): p.gbps for p in pairs}
+    assert by[(0, 1)] == 0.0 and by[(1, 0)] > 0
 
 
 def test_preflight_outside_torchrun_says_how_to_launch():
