@@ -61,6 +61,7 @@ void check_handle(const Handle& h, const Buffers& b) {
   const Topology& t = b.topo;
   check(h.rank_pos.dim() == 2 && h.rank_pos.size(1) == t.local_size && h.send_idx.size(1) == t.nodes &&
             h.rail_counts.numel() == t.nodes * (t.nodes + t.local_size) && h.net_route.size(0) == b.cap.net_slots &&
+            h.recv_info.numel() > t.local_size && (h.recv_info.numel() - t.local_size - 1) % 2 == 0 &&
             h.slot_rows.size(0) == (int64_t)t.local_size * b.cap.fwd_slots,
         "the dispatch handle does not come from this group's dispatch");
 }

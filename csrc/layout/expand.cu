@@ -113,19 +113,6 @@ __device__ __forceinline__ void slot_destinations(const ExpandArgs& a, const int
   }
 }
 
-// Forward work item `item`: part `part` of recv slot item / parts. Returns the slot's row and
-// fills its picks' destinations (the first part records them in slot_rows).
-__device__ __forceinline__ const uint8_t* locate_item(const Buffers& b, const ExpandArgs& a, const RecvSlots& slots,
-                                                      const RowSplit& split, const int* seg_start, int item, int lane,
-                                                      uint4* (&dst)[kMaxTopK], int& part) {
-  const int f = item / split.parts;
-  int g, i;
-  const int64_t slot = slots.locate(f, g, i);
-  part = item % split.parts;
-  slot_destinations(a, seg_start, slot, f, part == 0, lane, dst);
-  return slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
-}
-
 // Forward. Rows on the wire as they are (bf16 or fp32): warp copies, kCopyUnroll loads in
 // flight per lane, streaming stores (the GEMM reads the rows next, not this kernel). FP8 wire
 // rows: dequantised on the way (e4m3 payload vector u holds channels 16u..16u+15, the bf16
@@ -145,9 +132,12 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) expand_kerne
   const RowSplit split(slots.total(), warps);
   const int units = a.fp8 ? a.row_vecs / 2 : a.row_vecs;  // 16-byte vectors on the wire
   for (int item = warp; item < slots.total() * split.parts; item += warps) {
+    const int f = item / split.parts, part = item % split.parts;
+    int g, i;
+    const int64_t slot = slots.locate(f, g, i);
     uint4* dst[kMaxTopK];
-    int part;
-    const uint8_t* src = locate_item(b, a, slots, split, seg_start, item, lane, dst, part);
+    slot_destinations(a, seg_start, slot, f, part == 0, lane, dst);  // the first part records them
+    const uint8_t* src = slot_source(b, g, slot, a.slot_origin[slot], a.own_rows, a.own_row_bytes);
     int begin, end;
     split.range(part, units, begin, end);
     if (!a.fp8) {
