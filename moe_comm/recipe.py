@@ -31,6 +31,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from moe_comm import titan_fields
 from moe_comm.config import BACKENDS
 from moe_comm.errors import RecipeError
 from moe_comm.estimate import Layout
@@ -291,6 +292,8 @@ def _job_config(path: str, raw: dict, values: dict[str, object]):
         return ConfigManager()._dict_to_dataclass(merged_job_config_cls(), data)
     except (TypeError, ValueError) as e:
         raise RecipeError(str(e)) from e
+    except AssertionError as e:  # a TorchTitan dataclass's __post_init__ (e.g. [validation] steps)
+        raise RecipeError(f"TorchTitan refuses the recipe: {e}") from e
 
 
 # ---- the checks -------------------------------------------------------------------------------
@@ -587,6 +590,7 @@ def load(
     args = flavor_args(config)
     layout = resolve_layout(config, nnodes, nproc_per_node)
     check_layout(config, layout, args, device)
+    titan_fields.check(config, layout)
     for name in config.model.converters:
         if name not in CONVERTERS:
             raise RecipeError(f"[model] converters: {name!r} is not one of {list(CONVERTERS)}")

@@ -1,0 +1,115 @@
+"""The TorchTitan 0.2.2 fields its trainer divides by, takes a remainder by, asserts on or
+counts with, checked before launch.
+
+TorchTitan reads these only when it gets to them: `--checkpoint.interval 0` passes its parser,
+trains step 1 and then kills every rank with a ZeroDivisionError in `step % interval`. Each
+rule below names the line of TorchTitan that would fail (torchtitan/...), so a rule can be
+dropped when TorchTitan checks it itself. Fields of a feature that is off (checkpointing,
+profiling, validation) are checked only when it is on, as TorchTitan reads them only then.
+"""
+
+from moe_comm.errors import RecipeError
+from moe_comm.estimate import Layout
+
+
+def _at_least(section: str, name: str, value: int, low: int, why: str) -> None:
+    if value < low:
+        raise RecipeError(f"[{section}] {name} = {value} must be >= {low} ({why})")
+
+
+def check(config, layout: Layout) -> None:
+    """Raise RecipeError naming the field and the fix for a value TorchTitan cannot run."""
+    t, m, c, lr, p = config.training, config.metrics, config.checkpoint, config.lr_scheduler, config.parallelism
+    # components/metrics.py should_log: step % log_freq
+    _at_least("metrics", "log_freq", m.log_freq, 1, "TorchTitan logs every step % log_freq == 0")
+    # tools/utils.py GarbageCollection: asserts gc_freq > 0, then step % gc_freq
+    _at_least("training", "gc_freq", t.gc_freq, 1, "TorchTitan collects garbage every step % gc_freq == 0")
+    # train.py: global batch = local batch x data-parallel ranks x gradient accumulation steps
+    batch = t.local_batch_size * layout.dp_replicate * layout.dp_shard
+    if t.global_batch_size != -1 and (t.global_batch_size < 1 or t.global_batch_size % batch):
+        raise RecipeError(
+            f"[training] global_batch_size = {t.global_batch_size} must be -1 (local_batch_size x "
+            f"data-parallel ranks = {batch}) or a positive multiple of {batch}, the batch of one "
+            "gradient accumulation step"
+        )
+    _at_least("training.dataloader", "num_workers", t.dataloader.num_workers, 0, "0 loads in the rank itself")
+
+    # components/lr_scheduler.py linear_warmup_stable_decay
+    _at_least("lr_scheduler", "warmup_steps", lr.warmup_steps, 0, "0 means no warmup")
+    if lr.decay_ratio is not None and not 0 <= lr.decay_ratio <= 1:
+        raise RecipeError(
+            f"[lr_scheduler] decay_ratio = {lr.decay_ratio} must be between 0 and 1 (the share of the "
+            "steps spent decaying), or left unset to decay over every step after warmup"
+        )
+    if not 0 <= lr.min_lr_factor <= 1:
+        raise RecipeError(f"[lr_scheduler] min_lr_factor = {lr.min_lr_factor} must be between 0 and 1 (a share of [optimizer] lr)")
+    if lr.total_steps is not None and lr.total_steps < t.steps:
+        raise RecipeError(
+            f"[lr_scheduler] total_steps = {lr.total_steps} is below [training] steps = {t.steps}: past "
+            "it the decay runs beyond its end and the learning rate leaves [min_lr_factor, 1] "
+            "(negative for linear decay); raise it or leave it unset"
+        )
+
+    # distributed/pipeline_parallel.py: local batch % microbatch, then local batch // microbatch
+    if layout.pp > 1:
+        mb = p.pipeline_parallel_microbatch_size
+        _at_least("parallelism", "pipeline_parallel_microbatch_size", mb, 1, "rows of the local batch per pipeline microbatch")
+        if t.local_batch_size % mb:
+            raise RecipeError(
+                f"[training] local_batch_size = {t.local_batch_size} must be a multiple of [parallelism] "
+                f"pipeline_parallel_microbatch_size = {mb} (TorchTitan splits the batch into microbatches)"
+            )
+
+    # train.py sets the process groups' timeouts to these (timedelta(seconds=...)); 0 fails at once
+    _at_least("comm", "init_timeout_seconds", config.comm.init_timeout_seconds, 1, "the first collectives' timeout")
+    _at_least("comm", "train_timeout_seconds", config.comm.train_timeout_seconds, 1, "every collective's timeout after step 1")
+
+    # distributed/activation_checkpoint.py: "op", or int(option) layers per checkpoint
+    ac = config.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op" and not ac.selective_ac_option.isdigit():
+        raise RecipeError(
+            f"[activation_checkpoint] selective_ac_option = {ac.selective_ac_option!r} must be \"op\" "
+            "(per-operator) or a whole number N (every N-th layer), e.g. \"2\""
+        )
+
+    if c.enable:
+        # components/checkpoint.py _should_save: step % interval
+        _at_least("checkpoint", "interval", c.interval, 1, "TorchTitan saves every step % interval == 0")
+        # components/checkpoint.py: keep_latest_k == 1 raises; > 0 keeps that many
+        if c.keep_latest_k < 0 or c.keep_latest_k == 1:
+            raise RecipeError(
+                f"[checkpoint] keep_latest_k = {c.keep_latest_k} must be 0 (keep every checkpoint) or >= 2 "
+                "(TorchTitan keeps one more than the one being written)"
+            )
+        _at_least("checkpoint", "load_step", c.load_step, -1, "-1 means the newest checkpoint")
+        if c.last_save_in_hf and not c.last_save_model_only:
+            raise RecipeError(
+                "[checkpoint] last_save_in_hf = true needs last_save_model_only = true (HF safetensors hold "
+                "the model only)"
+            )
+        if c.initial_load_in_hf and not c.initial_load_model_only:
+            raise RecipeError(
+                "[checkpoint] initial_load_in_hf = true needs initial_load_model_only = true (HF safetensors "
+                "hold the model only)"
+            )
+
+    prof = config.profiling
+    if prof.enable_profiling or prof.enable_memory_snapshot:
+        # tools/profiling.py: step % profile_freq, and wait = freq - (warmup + active) >= 0
+        _at_least("profiling", "profile_freq", prof.profile_freq, 1, "TorchTitan profiles every step % profile_freq == 0")
+    if prof.enable_profiling:
+        _at_least("profiling", "profiler_active", prof.profiler_active, 1, "steps recorded per trace")
+        _at_least("profiling", "profiler_warmup", prof.profiler_warmup, 0, "steps before each trace")
+        if prof.profiler_warmup + prof.profiler_active > prof.profile_freq:
+            raise RecipeError(
+                f"[profiling] profile_freq = {prof.profile_freq} must be >= profiler_warmup + profiler_active "
+                f"= {prof.profiler_warmup + prof.profiler_active} (TorchTitan asserts it)"
+            )
+
+    v = config.validation
+    if v.enable:
+        # components/validate.py should_validate: step % freq; loss / steps run
+        _at_least("validation", "freq", v.freq, 1, "TorchTitan validates every step % freq == 0")
+        # (steps: TorchTitan's own Validation.__post_init__ asserts steps > 0 or -1, see recipe._job_config)
+        _at_least("validation", "local_batch_size", v.local_batch_size, 1, "rows per validation batch")
+        _at_least("validation", "seq_len", v.seq_len, 1, "tokens per validation row")
