@@ -1,7 +1,12 @@
 """`python -m moe_comm check RECIPE.toml`: validate a recipe without starting anything, then
 print its resolved parallel layout, a per-GPU memory estimate (moe_comm.estimate) and, per
 backend, the scale model's MoE traffic, comm time and MFU on the recipe's cluster
-(moe_comm.scale_model)."""
+(moe_comm.scale_model).
+
+A recipe error (a bad field, a layout that cannot work) stops it at once (exit 2). What only
+this machine lacks (the tokenizer, the data, a writable dump folder: moe_comm.files) does not:
+the whole plan is printed first, then the launch blockers with their fixes, and the exit status
+is 1 while any remains. `train` and `submit` refuse the same blockers."""
 
 import argparse
 
@@ -168,9 +173,23 @@ def main(args: argparse.Namespace) -> int:
         r = recipe.load(
             args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
             device=args.device, gpu=args.gpu or (machine[0] if machine else ""),
-            check_paths=not args.skip_files,
+            check_paths=not args.skip_files, allow_blockers=True,
         )
     except recipe.RecipeError as e:
         return recipe.main_error(e)
     print(report(r))
-    return 0
+    print("\n".join(launch_lines(r)))
+    return 1 if r.blockers else 0
+
+
+def launch_lines(r: recipe.Recipe) -> list[str]:
+    """After the plan: what runs but likely not as meant, then what `train` and `submit` refuse
+    until it is fixed (exit status 1 while any remains)."""
+    lines = [f"warning     {w}" for w in r.warnings]
+    if r.blockers:
+        lines.append(f"launch blockers ({len(r.blockers)}): `train` and `submit` refuse this recipe here until "
+                     "each is fixed (or pass --skip-files to check a recipe for another machine):")
+        lines += [f"  - {b}" for b in r.blockers]
+    else:
+        lines.append("ready       nothing blocks a launch from this machine")
+    return lines

@@ -8,3 +8,12 @@ see. The message names the field and says the fix; the CLI prints it as one line
 
 class RecipeError(ValueError):
     """A recipe problem, with the field and the fix in the message."""
+
+
+class LaunchBlockers(RecipeError):
+    """What stops a launch on this machine (moe_comm.files: a missing tokenizer, an unreadable
+    dataset, an unusable dump folder), all of them at once: one line each."""
+
+    def __init__(self, blockers: list[str]):
+        super().__init__("; ".join(blockers))
+        self.blockers = list(blockers)

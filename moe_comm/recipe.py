@@ -5,8 +5,11 @@ Every problem is a `RecipeError` that names the field and the fix: unknown secti
 (checked against TorchTitan's JobConfig merged with moe_comm.config.JobConfig, the same merge
 TorchTitan does), values of the wrong type, bad command-line overrides, layouts that cannot
 work (the degrees not multiplying to the world size, EP not dividing the ranks it borrows),
-missing tokenizer/dataset files, bad [cluster] values, and whatever the chosen backend cannot
-run (its class's `check_run`, asked with a `RunPlan` of what is known before launch).
+TorchTitan fields it would divide by zero or assert on (moe_comm.titan_fields), bad [cluster]
+values, and whatever the chosen backend cannot run (its class's `check_run`, asked with a
+`RunPlan` of what is known before launch). What the run needs on this machine's disk (the
+tokenizer, the dataset's records, a writable dump folder: moe_comm.files) are launch blockers:
+raised together, or kept for `check` to list after its plan.
 
 `check`, `submit` and `train` all call `load`; the model build asks the same `check_layout`
 and `check_run` again with what the ranks see.
@@ -31,9 +34,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from moe_comm import titan_fields
+from moe_comm import files, titan_fields
 from moe_comm.config import BACKENDS
-from moe_comm.errors import RecipeError
+from moe_comm.errors import LaunchBlockers, RecipeError
 from moe_comm.estimate import Layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +53,7 @@ CONVERTERS = (
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]*$")  # it becomes a file and folder name
 
-__all__ = ["Recipe", "RecipeError", "load", "check_layout", "run_plan", "split_cli_overrides", "main_error"]
+__all__ = ["Recipe", "RecipeError", "LaunchBlockers", "load", "check_layout", "run_plan", "split_cli_overrides", "main_error"]
 
 
 @dataclass
@@ -63,6 +66,8 @@ class Recipe:
     overrides: list[str] = field(default_factory=list)  # canonical, for TorchTitan in the ranks
     plan: object = None  # the backends.RunPlan the backend was checked with
     notes: list[str] = field(default_factory=list)  # what could not be checked before launch
+    warnings: list[str] = field(default_factory=list)  # what runs, but likely not as meant
+    blockers: list[str] = field(default_factory=list)  # what stops a launch (load(allow_blockers=True))
 
 
 def merged_job_config_cls():
@@ -492,36 +497,14 @@ def _check_cluster(c) -> None:
         raise RecipeError(f"[cluster] env_file = {c.env_file!r} does not exist; available: {available}")
 
 
-def _check_paths(config) -> None:
+def _check_dataset_name(config) -> None:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    assets = config.model.hf_assets_path
-    fetch = f"python -m moe_comm assets {config.job.config_file or 'RECIPE.toml'}"
-    if not os.path.isdir(assets):
-        raise RecipeError(
-            f"[model] hf_assets_path = {assets!r} is not a directory (relative to {os.getcwd()}); "
-            f"`{fetch}` fetches the tokenizer there, or run from the repository root or give an "
-            "absolute path to the tokenizer folder"
-        )
-    tokenizer_files = ("tokenizer.json", "vocab.json", "vocab.txt")
-    if not any(os.path.isfile(os.path.join(assets, f)) for f in tokenizer_files):
-        raise RecipeError(
-            f"[model] hf_assets_path = {assets!r} has no tokenizer.json (or vocab.json/vocab.txt); "
-            f"`{fetch}` fetches it from the hub, or point it at a Hugging Face tokenizer folder "
-            "(for the tiny one: python assets/make_tiny.py)"
-        )
     t = config.training
     if t.dataset not in DATASETS:
         raise RecipeError(
             f"[training] dataset = {t.dataset!r} is not a TorchTitan dataset; "
             f"choose one of {sorted(DATASETS)}"
-        )
-    # a local path (./x, /x) must exist; anything else is a HuggingFace dataset id
-    if t.dataset_path and t.dataset_path.startswith((".", "/")) and not os.path.exists(t.dataset_path):
-        raise RecipeError(
-            f"[training] dataset_path = {t.dataset_path!r} does not exist (relative to "
-            f"{os.getcwd()}); `{fetch}` stages it when [assets] dataset_repo names it, or run from "
-            "the repository root or give an absolute path"
         )
 
 
@@ -535,6 +518,7 @@ def load(
     gpu: str = "",
     here: bool = False,
     check_paths: bool = True,
+    allow_blockers: bool = False,
 ) -> Recipe:
     """Parse and validate a recipe; raise RecipeError naming the field and the fix.
 
@@ -542,7 +526,11 @@ def load(
     GPU and the launch environment are this machine's. Otherwise (check, submit) the recipe is
     checked for where it will run: the device from its content ([cluster] request_gpus),
     the GPU given or its [cluster] gpu, the environment its [cluster] env_file sets, and its
-    container image. Never from the file's name."""
+    container image. Never from the file's name.
+
+    What the run needs on disk (moe_comm.files: tokenizer, dataset records, dump folder) is
+    checked unless `check_paths` is False; its problems are launch blockers, raised together
+    as one LaunchBlockers unless `allow_blockers` (check: it reports them after its plan)."""
     if not os.path.isfile(path):
         raise RecipeError(f"recipe {path!r} does not exist")
     try:
@@ -612,10 +600,16 @@ def load(
     from moe_comm.backends import backend_class
 
     notes = backend_class(config.moe_comm.backend).check_run(plan)
+    _check_dataset_name(config)
+    blockers, warnings = [], []
     if check_paths:
-        _check_paths(config)
+        sets_assets = "model.hf_assets_path" in values or "hf_assets_path" in raw.get("model", {})
+        found = files.check(config, args.vocab_size, sets_assets, create_dump=here)
+        blockers, warnings, notes = found.blockers, found.warnings, notes + found.notes
+        if blockers and not allow_blockers:
+            raise LaunchBlockers(blockers)
     return Recipe(path=path, toml=raw, config=config, layout=layout, device=device,
-                  overrides=canonical, plan=plan, notes=notes)
+                  overrides=canonical, plan=plan, notes=notes, warnings=warnings, blockers=blockers)
 
 
 def split_cli_overrides(args, add_flags) -> list[str]:
@@ -640,5 +634,6 @@ def split_cli_overrides(args, add_flags) -> list[str]:
 
 
 def main_error(e: RecipeError) -> int:
-    print(f"recipe error: {e}", file=sys.stderr)
+    for line in e.blockers if isinstance(e, LaunchBlockers) else [str(e)]:
+        print(f"recipe error: {line}", file=sys.stderr)
     return 2

@@ -191,7 +191,8 @@ def test_directives_are_honoured_by_slurm(slurm):
     # /data are not in CI, the tiny ones stand in (the held job never runs).
     proc = submit(slurm, RECIPES_B200["671B"], "--cluster.partition", GPU_PARTITION,
                   "--cluster.time", "02:00:00", "--cluster.sbatch_args", "--hold",
-                  "--model.hf_assets_path", "./assets/tiny", "--training.dataset_path", "./assets/tiny/c4_tiny")
+                  "--model.hf_assets_path", "./assets/tiny", "--training.dataset", "c4_test",
+                  "--training.dataset_path", "./assets/tiny/c4_tiny")
     assert proc.returncode == 0, proc.stderr
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     try:
