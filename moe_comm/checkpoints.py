@@ -69,23 +69,41 @@ def inspect(folder: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step, reverse=True)
 
 
-def resume_step(folder: Path, load_step: int = -1) -> tuple[int | None, list[str]]:
-    """(the step to pass as --checkpoint.load_step, or None to let TorchTitan pick; messages).
+@dataclass(frozen=True)
+class Resume:
+    """Where a run in this folder resumes: the checkpoint's step (None: from step 0), whether
+    TorchTitan must be told it (`--checkpoint.load_step`, when its own choice, the newest
+    folder, cannot resume), and what to tell the user."""
+
+    step: int | None
+    load_step: int | None
+    messages: list[str]
+
+
+def resume_step(folder: Path, load_step: int = -1) -> Resume:
+    """The checkpoint a run resumes from (see `Resume`).
 
     Raises RecipeError when nothing in the folder can resume the run, naming the folder."""
     checkpoints = inspect(folder)
     if load_step != -1:
         chosen = next((c for c in checkpoints if c.step == load_step), None)
-        if chosen is not None and not chosen.usable:
+        if chosen is None and not folder.is_dir():  # TorchTitan then starts from step 0 (no folder to load from)
+            return Resume(None, None, [])
+        if chosen is None:
+            have = ", ".join(c.path.name for c in checkpoints) or "none"
+            raise RecipeError(f"[checkpoint] load_step = {load_step}: {folder} has no step-{load_step} (it has: {have})")
+        if not chosen.usable:
             raise RecipeError(f"[checkpoint] load_step = {load_step}: {chosen.problem}; choose another step or remove it")
-        return None, []
-    if not checkpoints or checkpoints[0].usable:
-        return None, []
+        return Resume(load_step, None, [])
+    if not checkpoints:
+        return Resume(None, None, [])
+    if checkpoints[0].usable:
+        return Resume(checkpoints[0].step, None, [])
     skipped = []
     for c in checkpoints:
         if c.usable:
             skipped.append(f"resuming from {c.path.name}, the newest usable checkpoint")
-            return c.step, skipped
+            return Resume(c.step, c.step, skipped)
         skipped.append(f"skipping {c.path.name}: {c.problem}")
     raise RecipeError(
         f"no checkpoint in {folder} can resume training ({'; '.join(skipped)}): remove {folder} to "

@@ -62,6 +62,23 @@ def start() -> None:
     threading.Thread(target=beat, name="moe_comm-heartbeat", daemon=True).start()
 
 
+FOLDER_PREFIX = "moe_comm-heartbeat-"
+
+
+def make_folder() -> Path:
+    """A fresh heartbeat folder for this launcher in the host's temp dir, named with its pid;
+    folders left by launchers of this host that were killed outright (SIGKILL skips the
+    launcher's own clean-up) are removed first."""
+    import shutil
+    import tempfile
+
+    for old in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
+        pid = old.name[len(FOLDER_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
+
+
 @dataclass(frozen=True)
 class Beat:
     rank: int

@@ -20,12 +20,16 @@ is passed to TorchTitan. The torchrun command also gets `--local-ranks-filter 0`
 
 Before torchrun starts, on every node:
   - the recipe is validated for the whole world (nnodes x nproc-per-node) on this machine;
+  - the dump folder is claimed for this run (moe_comm.claim): a folder another run trains in is
+    refused, naming it; the nodes of one job share the claim; a stale claim is taken over;
   - the dump folder is claimed for this run's identity (moe_comm.metrics.naming): a folder that
     holds another run (another backend, batch, layout...) is refused, never mixed;
   - with checkpointing on, the checkpoint to resume from is chosen (moe_comm.checkpoints): a
     truncated or model-only newest checkpoint is skipped, saying why, and the last save is a
     full checkpoint unless the recipe sets [checkpoint] last_save_model_only itself, so the next
-    run in the folder can always resume.
+    run in the folder can always resume. A checkpoint already at [training] steps means nothing
+    to do (said, exit 0, no torchrun); resuming under another learning-rate schedule than the
+    checkpoint's is a warning (moe_comm.schedule).
 While it runs, SIGTERM (Slurm's preemption and time limit), SIGINT (Ctrl-C) and SIGHUP are
 passed to torchrun, which stops every rank; ranks also die if torchrun is killed outright.
 After a failure, a rank that stopped answering (moe_comm.heartbeat) is named.
@@ -35,13 +39,13 @@ import argparse
 import os
 import shlex
 import signal
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from moe_comm import checkpoints, heartbeat, recipe
+from moe_comm import checkpoints, claim, heartbeat, recipe, schedule
 from moe_comm.metrics import naming
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -93,18 +97,18 @@ def _sets(r: recipe.Recipe, section: str, key: str) -> bool:
     return key in r.toml.get(section, {}) or any(o in spelled for o in r.overrides)
 
 
-def checkpoint_overrides(r: recipe.Recipe) -> tuple[list[str], list[str]]:
-    """(overrides that make the run resumable, what to tell the user); see the module doc."""
+def checkpoint_overrides(r: recipe.Recipe) -> tuple[list[str], checkpoints.Resume]:
+    """(overrides that make the run resumable, where it resumes); see the module doc."""
     ckpt = r.config.checkpoint
     if not ckpt.enable:
-        return [], []
+        return [], checkpoints.Resume(None, None, [])
     # HF safetensors can only hold the model, so a recipe that asks for them keeps TorchTitan's default.
     keep = _sets(r, "checkpoint", "last_save_model_only") or ckpt.last_save_in_hf
     extra = [] if keep else ["--checkpoint.no-last_save_model_only"]
-    step, messages = checkpoints.resume_step(Path(r.config.job.dump_folder) / ckpt.folder, ckpt.load_step)
-    if step is not None:
-        extra += ["--checkpoint.load_step", str(step)]
-    return extra, messages
+    resume = checkpoints.resume_step(Path(r.config.job.dump_folder) / ckpt.folder, ckpt.load_step)
+    if resume.load_step is not None:
+        extra += ["--checkpoint.load_step", str(resume.load_step)]
+    return extra, resume
 
 
 def _report_stopped_ranks(folder: Path) -> None:
@@ -118,8 +122,9 @@ def _report_stopped_ranks(folder: Path) -> None:
         )
 
 
-def run_torchrun(cmd: list[str], env: dict[str, str], beats: Path) -> int:
-    """Run torchrun and wait for it, passing on the signals that should stop the job."""
+def run_torchrun(cmd: list[str], env: dict[str, str], beats: Path, held: "claim.Claim | None" = None) -> int:
+    """Run torchrun and wait for it, passing on the signals that should stop the job; the dump
+    folder's claim is kept fresh meanwhile, and losing it stops the run like a SIGTERM."""
     received: list[int] = []
     proc = subprocess.Popen(cmd, env=env, start_new_session=True,
                             preexec_fn=lambda: heartbeat.die_with_parent(signal.SIGTERM))
@@ -131,6 +136,12 @@ def run_torchrun(cmd: list[str], env: dict[str, str], beats: Path) -> int:
         except ProcessLookupError:
             pass
 
+    def lost(message: str) -> None:
+        print(f"moe_comm: {message}", file=sys.stderr, flush=True)
+        forward(signal.SIGTERM, None)
+
+    if held is not None:
+        held.keep_fresh(lost)
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     deadline = None
     try:
@@ -174,14 +185,49 @@ def main(args: argparse.Namespace) -> int:
                 "with `python -m moe_comm submit`, or run `train` on every node with --nnodes, "
                 "--rdzv-endpoint and --rdzv-id"
             )
+    except recipe.RecipeError as e:
+        return recipe.main_error(e)
+    for warning in r.warnings:
+        print(f"moe_comm: warning: {warning}", file=sys.stderr, flush=True)
+    held = None
+    if not args.dry_run:
+        held = claim.Claim(r.config.job.dump_folder, claim.me(shlex.join(sys.argv), args.rdzv_id))
+        try:
+            for message in held.take():
+                print(f"moe_comm: {message}", file=sys.stderr, flush=True)
+        except recipe.RecipeError as e:
+            return recipe.main_error(e)
+    try:
+        return _launch(args, r, held)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _launch(args: argparse.Namespace, r: recipe.Recipe, held: "claim.Claim | None") -> int:
+    """Everything after the claim: the run's identity, the checkpoint to resume, torchrun."""
+    try:
         identity = naming.run_identity(r.config, r.layout.nodes, r.layout.procs_per_node)
         naming.claim_dump_folder(r.config.job.dump_folder, identity, write=not args.dry_run)
-        extra, messages = checkpoint_overrides(r)
+        extra, resume = checkpoint_overrides(r)
         cmd = torchrun_command(args, r, r.overrides + extra)
     except recipe.RecipeError as e:
         return recipe.main_error(e)
-    for message in messages:
+    for message in resume.messages:
         print(f"moe_comm: checkpoint: {message}", file=sys.stderr, flush=True)
+    dump, steps = Path(r.config.job.dump_folder), r.config.training.steps
+    if resume.step is not None and resume.step >= steps:
+        print(f"moe_comm: nothing to do: {dump / r.config.checkpoint.folder}/step-{resume.step} is at [training] "
+              f"steps = {steps} already. To train on, raise --training.steps (the learning-rate schedule is "
+              "then rebuilt for the new length), or give a new --job.dump_folder to start again",
+              file=sys.stderr, flush=True)
+        return 0
+    if resume.step:
+        warning = schedule.changed(dump, r.config, resume.step)
+        if warning:
+            print(f"moe_comm: warning: {warning}", file=sys.stderr, flush=True)
+    if r.config.checkpoint.enable and not args.dry_run:
+        schedule.record(dump, r.config)
 
     env = dict(os.environ)
     if r.layout.procs_per_node > 1:  # what torchrun sets anyway, without its 4-line banner
@@ -190,6 +236,9 @@ def main(args: argparse.Namespace) -> int:
     print("+ " + shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
-    with tempfile.TemporaryDirectory(prefix="moe_comm-heartbeat-") as beats:
-        env[heartbeat.DIR_ENV] = beats
-        return run_torchrun(cmd, env, Path(beats))
+    beats = heartbeat.make_folder()
+    try:
+        env[heartbeat.DIR_ENV] = str(beats)
+        return run_torchrun(cmd, env, beats, held)
+    finally:
+        shutil.rmtree(beats, ignore_errors=True)

@@ -150,15 +150,17 @@ def test_a_requeued_job_continues_its_wandb_run(one_node_run):
     assert len(ids) == 2 and len(set(ids)) == 1 and ids[0].startswith(f"moecomm-{job_id}-"), ids
 
 
-def test_a_finished_run_submitted_again_resumes_instead_of_failing(slurm, base, one_node_run):
-    """TorchTitan's default last save is model-only, so the second submit of a job used to die
-    loading it ("Missing key in checkpoint state_dict: dataloader.dp_rank_0")."""
+def test_a_finished_run_submitted_again_has_nothing_to_do(slurm, base, one_node_run):
+    """The second submit of a finished job finds its own folder and its last checkpoint (a full
+    one: TorchTitan's default model-only last save made it die loading it), says there is
+    nothing to do and ends without starting torchrun (it used to print "Training starts at
+    step 4" for a 3-step run and exit). tests/test_train_lifecycle.py resumes such a save."""
     _, _, dump = one_node_run
     job_id, log, again = cpu_job(slurm, base, "--checkpoint.interval", "1")
     assert again == dump, "the same run must find its own folder again"
     text = log.read_text()
-    assert f"Loading the checkpoint from {dump}/checkpoint/step-{STEPS}" in text, text[-4000:]
-    assert f"Training starts at step {STEPS + 1}" in text
+    assert f"moe_comm: nothing to do: {dump}/checkpoint/step-{STEPS} is at [training] steps = {STEPS}" in text, text[-4000:]
+    assert "torch.distributed.run" not in text.split(f"job {job_id}", 1)[-1]
     log.unlink()
 
 

@@ -1,9 +1,16 @@
-"""`python -m moe_comm train` through a run's life on CPU (recipes/debug_cpu.toml, 2 ranks):
-it can always resume (the last save is a full checkpoint; a truncated newest checkpoint is
-skipped, naming the file), SIGTERM stops every rank, and a rank that hangs is the one named.
+"""`python -m moe_comm train` through a run's life on CPU (recipes/debug_cpu.toml, 2 ranks).
 
-One finished run (4 steps, a checkpoint every 2) serves the checkpoint tests."""
+Three training runs serve every test here (each costs a torchrun start, so each is shared):
+- `finished`: 4 steps, a checkpoint every 2. Run again as it is, it has nothing to do.
+- `resumed`: that run extended to 1000 steps from its last save (step 4), which must be a full
+  checkpoint. Its first step after the resume is timed as one step. While it trains, a second
+  run in the same folder is refused before torchrun. Then SIGTERM stops every rank.
+- `hung`: that run with its newest checkpoint truncated, so it is skipped (naming the file) for
+  step 2. Then one rank stops (SIGSTOP); the launcher names it, and the footer says the run
+  failed and where. With no usable checkpoint left, nothing starts.
+"""
 
+import json
 import os
 import re
 import shutil
@@ -13,13 +20,16 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from moe_comm import checkpoints
+from moe_comm.metrics import keys
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "moe_comm", "train", "recipes/debug_cpu.toml", "--metrics.no-enable_wandb"]
+CKPT = ("--checkpoint.enable", "--checkpoint.interval", "2")
 
 
 def train(dump: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -32,51 +42,6 @@ def train(dump: Path, *overrides: str, timeout: float = 300) -> subprocess.Compl
 def steps(console: str) -> list[int]:
     """The steps the console's step lines report (moe_comm.metrics.step_line: `step N/TOTAL ...`)."""
     return sorted({int(s) for s in re.findall(r"step +(\d+)/\d+ ", console)})
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("finished") / "run"
-    proc = train(dump, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4")
-    assert proc.returncode == 0, proc.console[-4000:]
-    return dump
-
-
-def test_the_last_save_can_resume_the_next_run(finished_run):
-    """TorchTitan's default last save is model-only, which the next run in the folder cannot load
-    ("Missing key in checkpoint state_dict: dataloader.dp_rank_0"); ours resumes."""
-    newest = checkpoints.inspect(finished_run / "checkpoint")[0]
-    assert newest.step == 4 and newest.usable, newest.problem
-    proc = train(finished_run, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "6")
-    assert proc.returncode == 0, proc.console[-4000:]
-    assert f"Loading the checkpoint from {finished_run}/checkpoint/step-4" in proc.console
-    assert steps(proc.console) == [5, 6]
-
-
-def test_a_truncated_checkpoint_is_named_and_skipped(finished_run, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
-    newest = max(checkpoints.inspect(run / "checkpoint"), key=lambda c: c.step)
-    shard = sorted(newest.path.glob("*.distcp"))[0]
-    with open(shard, "r+b") as f:
-        f.truncate(shard.stat().st_size // 2)
-    proc = train(run, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", str(newest.step + 1))
-    assert proc.returncode == 0, proc.console[-4000:]
-    assert f"skipping {newest.path.name}: {shard} is truncated" in proc.console
-    previous = newest.step - 2
-    assert f"resuming from step-{previous}, the newest usable checkpoint" in proc.console
-    assert f"Loading the checkpoint from {run}/checkpoint/step-{previous}" in proc.console
-    assert steps(proc.console) == list(range(previous + 1, newest.step + 2))
-
-    # Nothing usable left: stop before any rank starts, naming the folder to remove.
-    for c in checkpoints.inspect(run / "checkpoint"):
-        for shard in c.path.glob("*.distcp"):
-            with open(shard, "r+b") as f:
-                f.truncate(10)
-    proc = train(run, "--checkpoint.enable", "--training.steps", "20", timeout=120)
-    assert proc.returncode == 2 and "torch.distributed.run" not in proc.console
-    assert f"no checkpoint in {run}/checkpoint can resume training" in proc.console
-    assert f"remove {run}/checkpoint" in proc.console
 
 
 def _ranks(marker: str) -> dict[int, int]:
@@ -102,32 +67,40 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-class LongRun:
-    """A long CPU run started in the background; every process it made is killed at the end."""
+def _wait(what: str, ok, timeout: float, console) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s:\n{console()[-4000:]}")
+        time.sleep(0.3)
 
-    def __init__(self, tmp_path: Path, *overrides: str):
+
+class LongRun:
+    """A 1000-step CPU run in `dump`, in the background; every process it made is killed at the end."""
+
+    def __init__(self, dump: Path, *overrides: str):
         self.marker = uuid.uuid4().hex
-        self.log = tmp_path / "train.log"
+        self.dump = dump
+        self.log = dump.parent / f"{dump.name}.train.log"
         env = dict(os.environ, MOE_TEST_MARKER=self.marker)
         self.out = open(self.log, "w")
-        self.proc = subprocess.Popen([*TRAIN, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1000",
-                                      *overrides], cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([*TRAIN, "--job.dump_folder", str(dump), "--training.steps", "1000", *overrides],
+                                     cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT)
         self.seen: dict[int, int] = {}
 
     def console(self) -> str:
         return re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text())
 
     def wait_for_step(self, step: int, timeout: float = 240) -> dict[int, int]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def reached() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"train exited with {self.proc.returncode}:\n{self.console()[-4000:]}")
-            if steps(self.console()) and steps(self.console())[-1] >= step:
-                self.seen = _ranks(self.marker)
-                assert sorted(self.seen) == [0, 1], self.seen
-                return self.seen
-            time.sleep(0.5)
-        raise AssertionError(f"no step {step} within {timeout} s:\n{self.console()[-4000:]}")
+            return bool(steps(self.console())) and steps(self.console())[-1] >= step
+
+        _wait(f"step {step}", reached, timeout, self.console)
+        self.seen = _ranks(self.marker)
+        assert sorted(self.seen) == [0, 1], self.seen
+        return self.seen
 
     def close(self) -> None:
         for pid in [*self.seen.values(), *_ranks(self.marker).values()]:
@@ -141,37 +114,150 @@ class LongRun:
         self.out.close()
 
 
-@pytest.fixture
-def long_run(tmp_path):
-    runs = []
-    yield lambda *overrides: runs.append(LongRun(tmp_path, *overrides)) or runs[-1]
-    for run in runs:
+def _copy(run: Path, tmp_path_factory, name: str) -> Path:
+    dump = tmp_path_factory.mktemp(name) / "run"
+    shutil.copytree(run, dump)
+    return dump
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("finished") / "run"
+    proc = train(dump, *CKPT, "--training.steps", "4")
+    assert proc.returncode == 0, proc.console[-4000:]
+    return dump
+
+
+@pytest.fixture(scope="module")
+def resumed(finished, tmp_path_factory):
+    dump = _copy(finished, tmp_path_factory, "resumed")
+    run = LongRun(dump, "--checkpoint.enable", "--checkpoint.interval", "500")
+    try:
+        ranks = run.wait_for_step(6)
+        second = train(dump, "--training.steps", "6", timeout=120)
+        claimed = (dump / "claim.json").is_file()
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.proc.wait(timeout=90)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield SimpleNamespace(dump=dump, console=run.console(), rc=rc, ranks=ranks, second=second, claimed=claimed,
+                              launcher=run.proc.pid, alive=[r for r, pid in ranks.items() if _alive(pid)])
+    finally:
         run.close()
 
 
-def test_sigterm_stops_torchrun_and_every_rank(long_run):
+@pytest.fixture(scope="module")
+def hung(finished, tmp_path_factory):
+    dump = _copy(finished, tmp_path_factory, "hung")
+    newest = checkpoints.inspect(dump / "checkpoint")[0]
+    shard = sorted(newest.path.glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    # A resumed run never reaches TorchTitan's step 1, where it switches to train_timeout_seconds:
+    # all its collectives keep init_timeout_seconds.
+    run = LongRun(dump, "--checkpoint.enable", "--checkpoint.interval", "500", "--comm.init_timeout_seconds", "20")
+    try:
+        ranks = run.wait_for_step(3)
+        os.kill(ranks[1], signal.SIGSTOP)
+        # rank 0 times out waiting for it; torchrun then sends SIGTERM to rank 1, which a stopped
+        # process only receives once continued: continue it then (instead of torchrun's 30 s grace)
+        _wait("torchrun's SIGTERM to rank 1", lambda: re.search(rf"Sending process {ranks[1]} closing signal SIGTERM",
+                                                                 run.console()), 120, run.console)
+        os.kill(ranks[1], signal.SIGCONT)
+        rc = run.proc.wait(timeout=120)
+        yield SimpleNamespace(dump=dump, shard=shard, newest=newest, console=run.console(), rc=rc, ranks=ranks,
+                              alive=[r for r, pid in ranks.items() if _alive(pid)])
+    finally:
+        run.close()
+
+
+def _rows(dump: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+
+
+# ---- finished ---------------------------------------------------------------------------------
+
+def test_a_finished_run_run_again_has_nothing_to_do(finished):
+    """It used to start torchrun, print "Training starts at step 5" for a 4-step run and end."""
+    before = (finished / "metrics.jsonl").read_text()
+    proc = train(finished, *CKPT, "--training.steps", "4", timeout=120)
+    assert proc.returncode == 0 and "torch.distributed.run" not in proc.console, proc.console[-3000:]
+    assert f"moe_comm: nothing to do: {finished}/checkpoint/step-4 is at [training] steps = 4 already" in proc.console
+    assert (finished / "metrics.jsonl").read_text() == before
+
+
+# ---- resumed ----------------------------------------------------------------------------------
+
+def test_the_last_save_can_resume_the_next_run(resumed):
+    """TorchTitan's default last save is model-only, which the next run in the folder cannot load
+    ("Missing key in checkpoint state_dict: dataloader.dp_rank_0"); ours resumes."""
+    assert f"Loading the checkpoint from {resumed.dump}/checkpoint/step-4" in resumed.console
+    assert steps(resumed.console)[0] == 5
+
+
+def test_extending_a_finished_run_says_the_schedule_changes(resumed):
+    assert ("moe_comm: warning: resuming step-4 under another learning-rate schedule (training.steps 4 -> 1000)"
+            in resumed.console), resumed.console[:3000]
+    assert re.search(r"step 5 trains at lr 0\.0008 where the checkpoint's schedule gives 0", resumed.console)
+
+
+def test_the_first_step_after_a_resume_is_one_steps_time(resumed):
+    """It was divided by the 5 steps since step 0 (0.35-0.50 s/step against 5.5 s real)."""
+    rows = _rows(resumed.dump)
+    first, second = rows[5], rows[6]
+    assert first[keys.DISPATCH_MS] > 0.5 * second[keys.DISPATCH_MS], (first[keys.DISPATCH_MS], second[keys.DISPATCH_MS])
+    assert first[keys.STEP_MS] > 0.5 * second[keys.STEP_MS], (first[keys.STEP_MS], second[keys.STEP_MS])
+
+
+def test_a_second_run_in_the_same_folder_is_refused_before_torchrun(resumed):
+    """Before: both exited 0, the second resumed from the first's checkpoint while it was being
+    written, and metrics.jsonl read 1,2,3,4,5,6,4,5,6."""
+    second = resumed.second
+    assert second.returncode == 2 and "torch.distributed.run" not in second.console, second.console[-3000:]
+    assert (f"[job] dump_folder = {str(resumed.dump)!r} is in use by a run (pid {resumed.launcher} on "
+            in second.console), second.console
+    assert resumed.claimed and not (resumed.dump / "claim.json").exists(), "held while it ran, released after"
+
+
+def test_sigterm_stops_torchrun_and_every_rank(resumed):
     """What Slurm sends on preemption and at the time limit; before, the launcher exited alone
     and the ranks trained on."""
-    run = long_run()
-    ranks = run.wait_for_step(2)
-    run.proc.send_signal(signal.SIGTERM)
-    rc = run.proc.wait(timeout=90)
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [r for r, pid in ranks.items() if _alive(pid)], "ranks outlived the launcher"
-    assert rc == 128 + signal.SIGTERM and "moe_comm: stopped by SIGTERM" in run.console()
+    assert not resumed.alive, "ranks outlived the launcher"
+    assert resumed.rc == 128 + signal.SIGTERM and "moe_comm: stopped by SIGTERM" in resumed.console
 
 
-def test_a_hung_rank_is_the_one_named(long_run):
+# ---- hung -------------------------------------------------------------------------------------
+
+def test_a_truncated_checkpoint_is_named_and_skipped(hung):
+    assert f"skipping {hung.newest.path.name}: {hung.shard} is truncated" in hung.console
+    assert "resuming from step-2, the newest usable checkpoint" in hung.console
+    assert f"Loading the checkpoint from {hung.dump}/checkpoint/step-2" in hung.console
+    assert steps(hung.console)[0] == 3
+
+
+def test_a_hung_rank_is_the_one_named(hung):
     """Rank 1 stops (SIGSTOP); rank 0 times out in its next collective and is what torchrun
     reports as the root cause. The launcher names rank 1."""
-    run = long_run("--comm.train_timeout_seconds", "10")
-    ranks = run.wait_for_step(2)
-    os.kill(ranks[1], signal.SIGSTOP)
-    rc = run.proc.wait(timeout=180)
-    console = run.console()
-    assert rc != 0
-    named = re.findall(r"moe_comm: rank (\d+) \(pid (\d+) on \S+\) stopped answering", console)
-    assert named == [("1", str(ranks[1]))], console[-4000:]
-    assert not [r for r, pid in ranks.items() if _alive(pid)], "ranks outlived the launcher"
+    assert hung.rc != 0
+    named = re.findall(r"moe_comm: rank (\d+) \(pid (\d+) on \S+\) stopped answering", hung.console)
+    assert named == [("1", str(hung.ranks[1]))], hung.console[-4000:]
+    assert not hung.alive, "ranks outlived the launcher"
+
+
+def test_a_failed_run_says_it_failed_and_where(hung):
+    """The footer runs from TorchTitan's exception path too; it said `done at step N` there."""
+    footer = re.findall(r"moe_comm: (?:done|FAILED|stopped).*", hung.console)
+    assert footer and re.match(r"moe_comm: FAILED in step \d+/1000 after \d+:\d\d: \w+", footer[-1]), footer
+    assert "done at step" not in hung.console
+
+
+def test_nothing_usable_stops_before_any_rank_starts(hung):
+    for c in checkpoints.inspect(hung.dump / "checkpoint"):
+        for shard in c.path.glob("*.distcp"):
+            with open(shard, "r+b") as f:
+                f.truncate(10)
+    proc = train(hung.dump, "--checkpoint.enable", "--training.steps", "20", timeout=120)
+    assert proc.returncode == 2 and "torch.distributed.run" not in proc.console
+    assert f"no checkpoint in {hung.dump}/checkpoint can resume training" in proc.console
+    assert f"remove {hung.dump}/checkpoint" in proc.console

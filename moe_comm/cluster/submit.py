@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe_comm import recipe
+from moe_comm import claim, recipe
 from moe_comm.cluster.sbatch import LOG_DIR, JobSpec, render
 from moe_comm.errors import RecipeError
 from moe_comm.metrics import naming
@@ -82,6 +82,8 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     config, cluster = r.config, r.config.cluster
     for note in r.notes:
         print(f"submit: note: {note}", file=sys.stderr)
+    for warning in r.warnings:
+        print(f"submit: warning: {warning}", file=sys.stderr)
     warning = requeue_warning(config, cluster)
     if warning:
         print(warning, file=sys.stderr)
@@ -98,6 +100,12 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
         submit_command=shlex.join(["python", "-m", "moe_comm", "submit", args.recipe, *r.overrides]),
     )
     naming.claim_dump_folder(str(spec.dump_dir), identity, write=False)
+    holder = claim.holder_of(str(spec.dump_dir))
+    if holder is not None:
+        after = (f"; to queue this one behind it: --cluster.sbatch_args --dependency=afterany:{holder.slurm_job}"
+                 if holder.slurm_job else "")
+        print(f"submit: warning: {spec.dump_dir} is in use by {holder.describe()}: this job is refused when it "
+              f"starts unless that run has ended{after}", file=sys.stderr)
     return spec
 
 
