@@ -64,14 +64,14 @@ def _worker(rank, port, dump_folder, extra, results, device_name=None):
         layers = [instrument(make_fake("nvshmem")) for _ in range(2)]
         topk_idx_TK = torch.tensor([[0, 2], [2, 3], [1, 0]])
         for step in (1, 2):
+            processor.ntokens_since_last_log += 6  # TorchTitan loads the step's batch first
+            processor.data_loading_times.append(0.001)
             x_TD = torch.randn(3, 8, requires_grad=True)
             for layer in layers:
                 result = layer.dispatch(x_TD, topk_idx_TK, torch.rand(3, 2))
                 x_TD = layer.combine(result.recv_x_RD, result.handle)
             x_TD.sum().backward()
             time.sleep(0.05)  # a step of realistic length, so microseconds of logging don't count
-            processor.ntokens_since_last_log += 6
-            processor.data_loading_times.append(0.001)
             processor.log(step, 1.0 / step, 1.0 / step, 0.5)
         processor.close()
         results[rank] = {"log": records, "peak": processor.peak.tflops}
@@ -179,3 +179,86 @@ def test_float8_on_h200_divides_by_the_8bit_peak(tmp_path, offline_wandb):
     step_lines = [m for m in log0 if m.startswith("step ")]
     assert step_lines and all("of 1979 TFLOPS fp8" in m for m in step_lines)  # one MFU, named
     assert any("MFU against 1979 TFLOPS dense fp8" in m and keys.MFU_BF16 in m for m in log0)
+
+
+# ---- in one process: how steps are counted and what the footer says ---------------------------
+
+def _processor(tmp_path, caplog, *extra: str):
+    """The processor as TorchTitan builds it, on one rank without a process group."""
+    import moe_comm.titan  # noqa: F401  the CPU adaptations
+    from torchtitan.distributed import ParallelDims
+
+    caplog.set_level(logging.INFO)
+    job_config = _job_config(str(tmp_path / "dump"), ["--metrics.no-enable_wandb", *extra])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    processor = build_metrics_processor(job_config, dims)
+    processor.num_flops_per_token = 1_000_000
+    return processor
+
+
+def _train_step(processor, seconds: float) -> None:
+    """What TorchTitan's loop does to the processor in one step: load a batch, then compute."""
+    processor.ntokens_since_last_log += 6
+    processor.data_loading_times.append(0.0)
+    time.sleep(seconds)
+
+
+def _console(caplog) -> list[str]:
+    from moe_comm import console
+
+    return [r.getMessage() for r in caplog.records if getattr(r, console.CONSOLE, False)]
+
+
+def test_the_first_step_after_a_resume_is_timed_as_one_step(tmp_path, caplog):
+    """Resumed at step 10: the first line is step 11, one step of this process. It used to be
+    divided by 11 (0.35-0.50 s/step against 5.5 s real; dispatch 7 ms against ~100 ms), and it
+    included the model set-up and checkpoint load."""
+    processor = _processor(tmp_path, caplog, "--training.steps", "20", "--metrics.log_freq", "2")
+    time.sleep(0.4)  # set-up and checkpoint load: not a training step
+    _train_step(processor, 0.2)
+    processor.log(11, 2.0, 2.0, 0.5)
+    _train_step(processor, 0.2)
+    _train_step(processor, 0.2)
+    processor.log(13, 1.9, 1.9, 0.5)  # two steps since the last line
+    rows = [json.loads(line) for line in open(tmp_path / "dump" / "metrics.jsonl")]
+    first, second = (row[keys.STEP_MS] for row in rows)
+    assert 180 < first < 350 and 180 < second < 350, (first, second)
+    lines = [m for m in _console(caplog) if m.startswith("step ")]
+    assert re.match(r"step 11/20  0\.[23]\d s/step", lines[0]), lines[0]
+    processor.close()
+    assert _console(caplog)[-1].startswith("moe_comm: stopped early at step 13/20")
+
+
+def test_a_finished_run_says_done(tmp_path, caplog):
+    processor = _processor(tmp_path, caplog, "--training.steps", "2", "--metrics.log_freq", "1")
+    for step in (1, 2):
+        _train_step(processor, 0.01)
+        processor.log(step, 1.0, 1.0, 0.5)
+    processor.close()
+    assert re.match(r"moe_comm: done at step 2/2 in 0:0\d; loss 1\.0000 -> 1\.0000", _console(caplog)[-1])
+
+
+def test_a_failed_run_says_it_failed_and_where(tmp_path, caplog):
+    """TorchTitan closes the trainer on its way out of an exception too; the footer used to say
+    `done at step 2/60` for a run that hung in step 3."""
+    processor = _processor(tmp_path, caplog, "--training.steps", "60", "--metrics.log_freq", "1")
+    for step in (1, 2):
+        _train_step(processor, 0.01)
+        processor.log(step, 1.0, 1.0, 0.5)
+    _train_step(processor, 0.01)  # step 3 loads its batch, then a collective times out
+    try:
+        raise RuntimeError("[Gloo] Timed out waiting 10000ms for recv operation to complete")
+    except RuntimeError:
+        processor.close()
+    footer = _console(caplog)[-1]
+    assert footer.startswith("moe_comm: FAILED in step 3/60 after 0:0") and "done" not in footer, footer
+    assert "RuntimeError: [Gloo] Timed out waiting 10000ms" in footer and str(tmp_path / "dump" / "logs") in footer
+
+
+def test_a_run_that_fails_before_its_first_step_line_says_so(tmp_path, caplog):
+    processor = _processor(tmp_path, caplog)
+    try:
+        raise ValueError("bad shard")
+    except ValueError:
+        processor.close()
+    assert _console(caplog)[-1].startswith("moe_comm: FAILED before its first step line (set-up, checkpoint load")

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -137,13 +138,40 @@ class MoECommMetricsProcessor(MetricsProcessor):
         self.log_path = console.open_log_file(job_config.job.dump_folder, self.rank)
 
         self._started = time.perf_counter()
-        self._last_logged_step = 0
+        t = job_config.training
+        batch = t.local_batch_size * parallel_dims.dp_replicate * parallel_dims.dp_shard
+        # TorchTitan's (train.py): each step loads this many batches, one data_loading_times entry each
+        self._accumulation = max(1, t.global_batch_size // batch) if t.global_batch_size > 0 else 1
+        self._first_batch = False
+        self._last_logged_step: int | None = None  # None until this process logs: a resumed run starts past 0
         self._first_log: tuple[int, float] | None = None  # (step, time) of the first log line
         self._losses: list[float] = []
         self._step_seconds: list[float] = []
         for line in self._header(wandb_url):
             console.show(line)
         console.watch.start("setting up the model (sharding, weight init, checkpoint load)")
+
+    # TorchTitan's batch generator adds each batch's tokens here: the processor's only per-batch
+    # signal. The first one marks where this process starts training, after model set-up and
+    # checkpoint load, so the first step's time (s/step, TorchTitan's tokens/s and MFU) is the
+    # step's own, also after a resume.
+    @property
+    def ntokens_since_last_log(self) -> int:
+        return self.__dict__.get("_ntokens", 0)
+
+    @ntokens_since_last_log.setter
+    def ntokens_since_last_log(self, value: int) -> None:
+        if value > 0 and not self._first_batch:
+            self._first_batch = True
+            self.time_last_log = time.perf_counter()
+        self.__dict__["_ntokens"] = value
+
+    def _steps_since_log(self) -> int:
+        """Training steps since the previous log line (or since this process started training):
+        the batches TorchTitan loaded since then over the batches of one step. Counting by step
+        numbers would count a resumed run's checkpointed steps as run here (11 steps in the first
+        line after resuming at step 10: 0.5 s/step against 5.5 s real)."""
+        return len(self.data_loading_times) // self._accumulation
 
     def _decorate_wandb_run(self, job_config, world_size: int) -> tuple[str | None, str | None]:
         """Tags and our static fields on the W&B run TorchTitan opened; (its offline folder,
@@ -208,7 +236,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
         extra_metrics: dict[str, Any] | None = None,
     ):
         console.watch.stop()
-        steps = max(step - self._last_logged_step, 1)
+        steps = self._steps_since_log() or max(step - (self._last_logged_step or 0), 1)
         step_s = (time.perf_counter() - self.time_last_log) / steps
         backends = instrumented_backends()
         mine = summarize(backends, steps)  # this rank's MoE layers (collective over its EP group)
@@ -283,16 +311,43 @@ class MoECommMetricsProcessor(MetricsProcessor):
 
     def close(self):
         console.watch.stop()
+        # TorchTitan closes the trainer from `finally`-like code on both paths (train.py main:
+        # `except Exception: trainer.close(); raise`), so an exception being handled here is the
+        # one that ends the run.
+        failure = sys.exc_info()[1]
         super().close()
-        if self._losses:
-            steady = self._step_seconds[1:] or self._step_seconds
-            console.show(
-                f"moe_comm: done at step {self._last_logged_step}/{self.job_config.training.steps} in "
-                f"{format_duration(time.perf_counter() - self._started)}; loss {self._losses[0]:.4f} -> "
-                f"{self._losses[-1]:.4f}; median {statistics.median(steady):.2f} s/step after the first"
-            )
+        console.show(self._footer(failure))
         if self.wandb_sync_dir:
             console.show(f"W&B run saved offline. Upload it with: wandb sync {self.wandb_sync_dir}")
+
+    def _footer(self, failure: BaseException | None) -> str:
+        """One line: done, stopped early, or failed, and where (see close)."""
+        total = self.job_config.training.steps
+        took = format_duration(time.perf_counter() - self._started)
+        loss = f"; loss {self._losses[0]:.4f} -> {self._losses[-1]:.4f}" if self._losses else ""
+        if self._last_logged_step is None:  # no step line yet: set-up, checkpoint load, the first step
+            where = "before its first step line (set-up, checkpoint load or the first step)"
+            completed = None
+        else:
+            batches = len(self.data_loading_times)  # since the last step line
+            completed = self._last_logged_step + batches // self._accumulation
+            # failing, the last step whose batches were loaded is the one that was running
+            started = self._last_logged_step + -(-batches // self._accumulation)
+            where = f"in step {started}/{total}" if batches else f"after step {self._last_logged_step}/{total}"
+        if failure is not None:
+            what = str(failure).strip().splitlines()[0][:300] if str(failure).strip() else ""
+            return (f"moe_comm: FAILED {where} after {took}: {type(failure).__name__}"
+                    + (f": {what}" if what else "") + f"{loss}; the rank logs are in "
+                    f"{os.path.join(self.job_config.job.dump_folder, 'logs')}")
+        if completed is None:
+            return (f"moe_comm: no training step ran in {took} (the checkpoint it resumed may already be at "
+                    f"[training] steps = {total})")
+        steady = self._step_seconds[1:] or self._step_seconds
+        rate = f"; median {statistics.median(steady):.2f} s/step after the first" if steady else ""
+        if completed < total:
+            return (f"moe_comm: stopped early at step {completed}/{total} in {took} (TorchTitan ended the "
+                    f"loop: see its warning above){loss}{rate}")
+        return f"moe_comm: done at step {completed}/{total} in {took}{loss}{rate}"
 
 
 def build_metrics_processor(
