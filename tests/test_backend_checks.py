@@ -149,3 +149,17 @@ def test_deepep_refuses_what_its_kernels_assert_on(kw, words):
         DeepEPBackend.check_run(plan("deepep", python_env="[cluster] container_image = 'img'", **kw))
     for word in words:
         assert word in str(e.value), f"{word!r} not in {str(e.value)!r}"
+
+
+def test_deepep_refuses_non_bf16_rows_at_the_call():
+    """fp32 rows at the layer API reached DeepEP's device assert (intranode.cu:235), which kills
+    the CUDA context; the call is refused first, naming the dtype (no GPU or DeepEP needed: the
+    check runs before DeepEP is touched)."""
+    import torch
+
+    backend = object.__new__(DeepEPBackend)  # no process group, no deep_ep: only the check runs
+    x_TD = torch.zeros(4, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"deepep backend dispatch: rows are torch.float32; .* torch.bfloat16 only"):
+        backend.dispatch(x_TD, torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"deepep backend combine: rows are torch.float16"):
+        backend.combine(torch.zeros(8, 16, dtype=torch.float16), handle=None)

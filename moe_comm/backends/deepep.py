@@ -105,9 +105,22 @@ class DeepEPBackend(CommBackend):
 
         Buffer.set_num_sms(config.num_sms)
 
+    @staticmethod
+    def check_rows(rows: torch.Tensor, op: str) -> None:
+        """DeepEP's kernels take bf16 rows only; anything else trips a device assert in combine
+        (intranode.cu:235) that breaks the CUDA context for the rest of the process. The recipe
+        check refuses fp32 params; this refuses the call itself (a layer used outside a recipe)."""
+        if rows.dtype != torch.bfloat16:
+            raise ValueError(
+                f"deepep backend {op}: rows are {rows.dtype}; DeepEP's kernels take torch.bfloat16 only "
+                '(an fp32 combine hits its device assert and kills the CUDA context): cast to bfloat16, '
+                'or use backend "nccl" or "nvshmem" for other dtypes'
+            )
+
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor
     ) -> DispatchResult:
+        self.check_rows(x_TD, "dispatch")
         recv_x_RD, tokens_per_expert_L, state = self._deepep.dispatch_tokens(
             x_TD,
             topk_idx_TK,
@@ -120,6 +133,7 @@ class DeepEPBackend(CommBackend):
         return DispatchResult(recv_x_RD, tokens_per_expert_L, (state, x_TD.dtype))
 
     def combine(self, y_RD: torch.Tensor, handle) -> torch.Tensor:
+        self.check_rows(y_RD, "combine")
         state, out_dtype = handle
         out_TD = self._deepep.combine_tokens(y_RD, state)
         self._deepep.sync_combine()
