@@ -448,6 +448,24 @@ def run_plan(config, layout: Layout, args, device: str, *, gpu: str = "", gpu_sm
     )
 
 
+def no_effect_warnings(raw: dict, values: dict[str, object], plan) -> list[str]:
+    """One warning per [moe_comm] option the recipe (or an override) sets that the chosen
+    backend does not read for this run (its class's `ignored_options`), naming the backends
+    that would."""
+    from moe_comm.backends import backend_class
+
+    o = plan.options
+    ignored = backend_class(o.backend).ignored_options(plan)
+    warnings = []
+    for option, why in ignored.items():
+        if option not in raw.get("moe_comm", {}) and f"moe_comm.{option}" not in values:
+            continue
+        readers = [b for b in BACKENDS if option not in backend_class(b).ignored_options(plan)]
+        who = f"; {' and '.join(readers)} read{'s' if len(readers) == 1 else ''} it" if readers else ""
+        warnings.append(f"[moe_comm] {option} = {getattr(o, option)!r} has no effect here: {why}{who}")
+    return warnings
+
+
 def env_file_path(cluster) -> Path:
     path = Path(cluster.env_file)
     return path if path.is_absolute() else REPO / path
@@ -601,11 +619,11 @@ def load(
 
     notes = backend_class(config.moe_comm.backend).check_run(plan)
     _check_dataset_name(config)
-    blockers, warnings = [], []
+    blockers, warnings = [], no_effect_warnings(raw, values, plan)
     if check_paths:
         sets_assets = "model.hf_assets_path" in values or "hf_assets_path" in raw.get("model", {})
         found = files.check(config, args.vocab_size, sets_assets, create_dump=here)
-        blockers, warnings, notes = found.blockers, found.warnings, notes + found.notes
+        blockers, warnings, notes = found.blockers, warnings + found.warnings, notes + found.notes
         if blockers and not allow_blockers:
             raise LaunchBlockers(blockers)
     return Recipe(path=path, toml=raw, config=config, layout=layout, device=device,

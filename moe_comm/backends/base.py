@@ -118,6 +118,18 @@ class CommBackend(ABC):
     name: ClassVar[str]
     cuda_only: ClassVar[bool] = False
     fp8_dispatch: ClassVar[bool] = False  # takes [moe_comm] dispatch_dtype = "fp8"
+    # The [moe_comm] fields that configure a backend (`backend` picks one, `peak_tflops` is MFU's).
+    OPTIONS: ClassVar[tuple[str, ...]] = (
+        "num_sms", "max_tokens_per_rank", "recv_capacity_factor", "dispatch_dtype", "virtual_node_size",
+        "network_sms", "wait_timeout_s",
+    )
+
+    @classmethod
+    def ignored_options(cls, run: RunPlan) -> dict[str, str]:
+        """The backend options this backend does not read when it serves `run`, each with why:
+        `check`, `submit` and `train` warn when a recipe sets one (it has no effect). This base
+        reads none of them; subclasses drop the ones they read."""
+        return {option: f'backend "{cls.name}" does not read it' for option in cls.OPTIONS}
 
     @classmethod
     def check_run(cls, run: RunPlan) -> list[str]:

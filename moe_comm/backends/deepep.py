@@ -98,6 +98,14 @@ class DeepEPBackend(CommBackend):
             notes += _check_deep_ep_importable()
         return notes
 
+    @classmethod
+    def ignored_options(cls, run: RunPlan) -> dict[str, str]:
+        """DeepEP takes its SM budget from us (Buffer.set_num_sms); it sizes its buffers, waits
+        and dispatch dtype through TorchTitan's DeepEP path, which reads none of our options."""
+        ignored = super().ignored_options(run)
+        ignored.pop("num_sms")
+        return {k: 'backend "deepep" runs TorchTitan\'s DeepEP path, which does not read it' for k in ignored}
+
     def __init__(self, layer: MoELayerSpec, ep_group: dist.ProcessGroup, config: MoEComm):
         super().__init__(layer, ep_group, config)
         self._deepep = _import_titan_deepep()

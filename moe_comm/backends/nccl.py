@@ -17,7 +17,7 @@ import torch
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torchtitan.models.moe.utils import _permute, _unpermute
 
-from moe_comm.backends.base import CommBackend, DispatchResult
+from moe_comm.backends.base import CommBackend, DispatchResult, RunPlan
 
 
 @dataclass
@@ -35,6 +35,12 @@ class NcclHandle:
 
 class NcclBackend(CommBackend):
     name = "nccl"
+
+    @classmethod
+    def ignored_options(cls, run: RunPlan) -> dict[str, str]:
+        """TorchTitan's all-to-all (and at EP 1 its local permute) has none of the backend options."""
+        return {option: 'backend "nccl" is TorchTitan\'s own path, which has no such setting'
+                for option in cls.OPTIONS}
 
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor

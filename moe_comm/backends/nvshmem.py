@@ -54,6 +54,28 @@ class NvshmemBackend(CommBackend):
     fp8_block = 128  # channels per fp32 scale of an FP8 row
 
     @classmethod
+    def ignored_options(cls, run: RunPlan) -> dict[str, str]:
+        """It reads every backend option (at EP 1 too: it serves the MoE layers' local layout),
+        but the network hop only exists when the EP group spans (virtual) nodes: network_sms
+        drives it, and virtual_node_size matters only where it splits the group further than
+        the real nodes do."""
+        vns = run.options.virtual_node_size
+        per_node = min(run.ep, run.ranks_per_node)  # ranks of one EP group on one real node
+        virtual_nodes = max(1, run.ep // vns) if vns else run.ep_nodes
+        ignored = {}
+        if vns and virtual_nodes <= run.ep_nodes:
+            ignored["virtual_node_size"] = (
+                f"the EP group of {run.ep} ranks has {per_node} on each node already, so virtual nodes of {vns} "
+                "ranks split it no further"
+            )
+        if virtual_nodes == 1:
+            ignored["network_sms"] = (
+                f"the EP group of {run.ep} rank(s) stays within one node, so there is no network hop to drive "
+                "(set virtual_node_size below the ranks per node to test the inter-node path on one)"
+            )
+        return ignored
+
+    @classmethod
     def check_run(cls, run: RunPlan) -> list[str]:
         """Every rule of the kernels, before launch: the EP group's shape over (virtual) nodes,
         the routing bounds, the SM budget, FP8 dispatch and, across real nodes, NVSHMEM's
