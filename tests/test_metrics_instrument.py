@@ -1,6 +1,7 @@
 """instrument(): routing counts by hand, timing of all four phases, gradients untouched, and the
 global imbalance over a 2-rank gloo group."""
 
+import gc
 import math
 
 import pytest
@@ -121,24 +122,36 @@ def test_no_grad_and_disabled_pass_through(world_of_one, monkeypatch):
     assert instrument(bare) is bare
 
 
-def _two_rank_worker(rank, port, backend_name, results):
+def _two_rank_worker(rank, port, backend_names, results):
     init_gloo(rank, 2, port)
     try:
-        wrapped = instrument(make_fake(backend_name))
-        topk_idx_TK = TOPK_IDX_RANK0 if rank == 0 else TOPK_IDX_RANK1
-        x_TD = torch.randn(3, 8, requires_grad=True)
-        w_TK = torch.rand(3, 2, requires_grad=True)
-        _step(wrapped, x_TD, topk_idx_TK, w_TK)
-        assert instrumented_backends() == [wrapped]
-        results[rank] = summarize(instrumented_backends(), steps=1)
+        for backend_name in backend_names:  # one pair of processes for every case: spawns cost seconds
+            wrapped = instrument(make_fake(backend_name))
+            topk_idx_TK = TOPK_IDX_RANK0 if rank == 0 else TOPK_IDX_RANK1
+            x_TD = torch.randn(3, 8, requires_grad=True)
+            w_TK = torch.rand(3, 2, requires_grad=True)
+            _step(wrapped, x_TD, topk_idx_TK, w_TK)
+            assert instrumented_backends() == [wrapped]
+            results[(backend_name, rank)] = summarize(instrumented_backends(), steps=1)
+            del wrapped
+            gc.collect()  # the next case's registry holds only its own layer
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend_name, rows_sent_rank0", [("nccl", 3), ("nvshmem", 2)])
-def test_two_ranks_global_imbalance_and_bytes(backend_name, rows_sent_rank0):
+CASES = [("nccl", 3), ("nvshmem", 2)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
     results = mp.Manager().dict()
-    mp.spawn(_two_rank_worker, args=(free_port(), backend_name, results), nprocs=2)
+    mp.spawn(_two_rank_worker, args=(free_port(), [name for name, _ in CASES], results), nprocs=2)
+    return dict(results)
+
+
+@pytest.mark.parametrize("backend_name, rows_sent_rank0", CASES)
+def test_two_ranks_global_imbalance_and_bytes(two_ranks, backend_name, rows_sent_rank0):
+    results = {rank: two_ranks[(backend_name, rank)] for rank in (0, 1)}
     rank0 = results[0]
     # global rows per expert: rank 0 [2,1,2,1] + rank 1 [0,0,3,3] = [2,1,5,4]: max/mean = 5/3
     assert rank0[keys.IMBALANCE_EXPERT] == pytest.approx(5 / 3)

@@ -1,6 +1,8 @@
 """The metrics processor on 2 gloo ranks with fake instrumented layers: TorchTitan's metrics plus
 ours reach the JSONL and an offline W&B run, the console shows one step line, MFU follows the
-peak rules, and `wandb sync` is printed at the end."""
+peak rules, and `wandb sync` is printed at the end. Every scenario runs in one pair of spawned
+processes (each spawn costs seconds of imports). Then, in this process: how steps between step
+lines are counted, and what the footer says."""
 
 import glob
 import json
@@ -43,13 +45,15 @@ def _parallel_dims():
     )
 
 
-def _worker(rank, port, dump_folder, extra, results, device_name=None):
+def _scenario(rank, dump_folder, extra, device_name):
+    """One processor's life over two steps with two fake instrumented MoE layers."""
+    import gc
+
     from moe_comm.titan import cpu
 
-    cpu.apply()
+    name = cpu.CpuDeviceModule.get_device_name
     if device_name:  # what torch.cuda.get_device_name() would say on that GPU
         cpu.CpuDeviceModule.get_device_name = lambda device=None: device_name
-    init_gloo(rank, 2, port)
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -57,6 +61,7 @@ def _worker(rank, port, dump_folder, extra, results, device_name=None):
 
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    layers = []
     try:
         job_config = _job_config(dump_folder, extra)
         processor = build_metrics_processor(job_config, _parallel_dims())
@@ -74,34 +79,64 @@ def _worker(rank, port, dump_folder, extra, results, device_name=None):
             time.sleep(0.05)  # a step of realistic length, so microseconds of logging don't count
             processor.log(step, 1.0 / step, 1.0 / step, 0.5)
         processor.close()
-        results[rank] = {"log": records, "peak": processor.peak.tflops}
+        return {"log": records, "peak": processor.peak.tflops}
     finally:
         logger.removeHandler(handler)
+        cpu.CpuDeviceModule.get_device_name = name
+        del layers
+        gc.collect()  # this scenario's layers leave the instrumented registry
+
+
+def _worker(rank, port, scenarios, results):
+    """Every scenario in one pair of processes (each spawn imports torch and TorchTitan anew)."""
+    from moe_comm.titan import cpu
+
+    cpu.apply()
+    init_gloo(rank, 2, port)
+    try:
+        for name, (dump_folder, extra, device_name) in scenarios.items():
+            results[(name, rank)] = _scenario(rank, dump_folder, extra, device_name)
+    finally:
         dist.destroy_process_group()
 
 
-def _run(tmp_path, extra, device_name=None):
-    results = mp.Manager().dict()
-    dump = str(tmp_path / "dump")
-    mp.spawn(_worker, args=(free_port(), dump, extra, results, device_name), nprocs=2)
-    return dump, dict(results)
+SCENARIOS = {
+    "wandb": (["--metrics.enable_wandb", "--moe_comm.backend", "nvshmem", "--moe_comm.num_sms", "24",
+               "--moe_comm.peak_tflops", "100"], None),
+    "cpu": ([], None),
+    "unknown_gpu": ([], "NVIDIA L4"),
+    "float8_h200": (["--model.converters", "quantize.linear.float8,quantize.grouped_mm.float8"], "NVIDIA H200"),
+}
 
 
-@pytest.fixture
-def offline_wandb(monkeypatch, tmp_path):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    for var in ("WANDB_MODE", "WANDB_RUN_NAME", "WANDB_RUN_GROUP", "WANDB_PROJECT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.chdir(tmp_path)
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """{name: (dump folder, {rank: result})} of SCENARIOS, run in one spawn with W&B offline."""
+    tmp = tmp_path_factory.mktemp("processor")
+    saved = {k: os.environ.get(k) for k in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_RUN_NAME", "WANDB_RUN_GROUP",
+                                            "WANDB_PROJECT", "WANDB_SILENT")}
+    for var in saved:
+        os.environ.pop(var, None)
+    os.environ["WANDB_SILENT"] = "true"
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        plan = {name: (str(tmp / name), extra, device) for name, (extra, device) in SCENARIOS.items()}
+        results = mp.Manager().dict()
+        mp.spawn(_worker, args=(free_port(), plan, results), nprocs=2)
+        results = dict(results)
+    finally:
+        os.chdir(cwd)
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+    return {name: (plan[name][0], {r: results[(name, r)] for r in (0, 1)}) for name in SCENARIOS}
 
 
-def test_jsonl_wandb_console(tmp_path, offline_wandb):
-    dump, results = _run(
-        tmp_path,
-        ["--metrics.enable_wandb", "--moe_comm.backend", "nvshmem", "--moe_comm.num_sms", "24",
-         "--moe_comm.peak_tflops", "100"],
-    )
+def test_jsonl_wandb_console(scenarios):
+    dump, results = scenarios["wandb"]
     lines = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
     assert [line["step"] for line in lines] == [1, 2]  # rank 0 only, one object per step
     last = lines[-1]
@@ -144,8 +179,8 @@ def test_jsonl_wandb_console(tmp_path, offline_wandb):
         assert needle.encode() in run_bytes, needle
 
 
-def test_cpu_gives_nan_mfu_and_says_so_once(tmp_path, offline_wandb):
-    dump, results = _run(tmp_path, [])
+def test_cpu_gives_nan_mfu_and_says_so_once(scenarios):
+    dump, results = scenarios["cpu"]
     last = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))][-1]
     assert last[keys.MFU] is None  # NaN is written as null
     assert last[keys.TFLOPS] > 0
@@ -157,18 +192,15 @@ def test_cpu_gives_nan_mfu_and_says_so_once(tmp_path, offline_wandb):
     assert all("mfu n/a" in m for m in log0 if m.startswith("step "))
 
 
-def test_unknown_gpu_warns_and_names_the_override(tmp_path, offline_wandb):
-    dump, results = _run(tmp_path, [], device_name="NVIDIA L4")
+def test_unknown_gpu_warns_and_names_the_override(scenarios):
+    dump, results = scenarios["unknown_gpu"]
     log0 = results[0]["log"]
     assert any("No dense bf16 peak known for GPU 'NVIDIA L4'" in m and "peak_tflops" in m for m in log0)
     assert any("MFU n/a: no peak known for 'NVIDIA L4'" in m for m in log0)
 
 
-def test_float8_on_h200_divides_by_the_8bit_peak(tmp_path, offline_wandb):
-    dump, results = _run(
-        tmp_path, ["--model.converters", "quantize.linear.float8,quantize.grouped_mm.float8"],
-        device_name="NVIDIA H200",
-    )
+def test_float8_on_h200_divides_by_the_8bit_peak(scenarios):
+    dump, results = scenarios["float8_h200"]
     last = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))][-1]
     assert last[keys.PEAK_DTYPE] == "fp8" and last[keys.PEAK_TFLOPS] == 1979.0
     assert last[keys.MFU] == pytest.approx(100 * 1e6 * last[keys.TPS] / 1979e12, rel=1e-9)

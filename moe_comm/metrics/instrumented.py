@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from moe_comm import console
 from moe_comm.backends.base import DispatchResult
-from moe_comm.metrics import keys
+from moe_comm.metrics import keys, settle
 
 # Backends that send a token once per destination rank (and combine there before sending back),
 # rather than once per (token, expert) pair as TorchTitan's all-to-all does. Decides how the
@@ -366,6 +366,7 @@ def summarize(backends: list[InstrumentedBackend], steps: int) -> dict[str, floa
     group = backends[0].ep_group
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(rows_LE, op=dist.ReduceOp.SUM, group=group)
+        settle.released(rows_LE)  # before rows_LE is rebound (moe_comm.metrics.settle)
     rows_LE = rows_LE.cpu()
     rows_LR = rows_LE.view(rows_LE.shape[0], backends[0].ep_size, -1).sum(dim=-1)
     metrics[keys.IMBALANCE_RANK], metrics[keys.IMBALANCE_RANK_WORST] = _imbalance(rows_LR)

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from moe_comm.metrics import keys
+from moe_comm.metrics import keys, settle
 
 # What a stage contributes, in this order on the wire.
 SUMMED = (
@@ -77,6 +77,7 @@ class PipelineStages:
         mine_X = torch.tensor(values, dtype=torch.float64, device=self.device)
         all_X = [torch.empty_like(mine_X) for _ in range(self.size)]
         dist.all_gather(all_X, mine_X, group=self.group)
+        settle.released(mine_X, *all_X)  # the last collective of a step (moe_comm.metrics.settle)
         return [t.tolist() for t in all_X]
 
     def gather(
