@@ -7,18 +7,14 @@
   lost.
 - The start-up watch names the running phase when a step is slow to come, and times
   torch.compile for step 1's line.
-- The real CPU default job (`python -m moe_comm train recipes/debug_cpu.toml`): one line per
+- The real CPU default job (`python -m moe_comm train recipes/debug_cpu.toml`, conftest's shared run): one line per
   step plus a short header and footer, no colour codes in a pipe, the rest in the log file.
 """
 
 import logging
 import math
-import os
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from torchtitan.tools.utils import Color
@@ -27,7 +23,6 @@ from moe_comm import console
 from moe_comm.metrics.peaks import resolve_peak
 from moe_comm.metrics.step_line import format_duration, StepLine
 
-REPO = Path(__file__).resolve().parents[1]
 
 # The step line, field by field (moe_comm.metrics.step_line): what the CPU job test parses.
 STEP_LINE_RE = re.compile(
@@ -155,21 +150,9 @@ def test_startup_watch_names_the_phase_and_times_compile(caplog):
     assert sum(m.startswith("torch.compile is compiling") for m in messages) == 1
 
 
-@pytest.fixture(scope="module")
-def default_job(tmp_path_factory):
-    """The README's main job as a user runs it, output to a pipe (not a terminal)."""
-    dump = tmp_path_factory.mktemp("console") / "debug_cpu"
-    env = dict(os.environ, WANDB_MODE="offline")
-    for var in ("WANDB_API_KEY", "WANDB_SILENT", "OMP_NUM_THREADS", "HF_DATASETS_OFFLINE"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "moe_comm", "train", "recipes/debug_cpu.toml", "--job.dump_folder", str(dump)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc, dump
-
-
-def test_cpu_default_job_prints_one_line_per_step(default_job):
-    proc, dump = default_job
+def test_cpu_default_job_prints_one_line_per_step(default_run):
+    """The README's main job as a user runs it, output to a pipe (conftest's shared run)."""
+    proc, dump = default_run, default_run.dump
     lines = (proc.stdout + proc.stderr).splitlines()
     assert "\x1b[" not in proc.stdout + proc.stderr  # no colour codes outside a terminal
     messages = [line.split(" - INFO - ", 1)[1] if " - INFO - " in line else line for line in lines]

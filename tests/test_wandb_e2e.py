@@ -1,48 +1,35 @@
-"""End to end on CPU: `python -m moe_comm train recipes/debug_cpu.toml --training.steps 3`
-(2 ranks, EP=2, gloo) writes the comm breakdown to its step line, its JSONL and an offline
-W&B run, and prints the `wandb sync` command."""
+"""End to end on CPU: the README's main job (`python -m moe_comm train recipes/debug_cpu.toml`,
+2 ranks, EP=2, gloo; conftest's shared run) writes the comm breakdown to its step line, its
+JSONL and an offline W&B run, and prints the `wandb sync` command."""
 
 import glob
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 from moe_comm.metrics import keys
 from test_console import STEP_LINE_RE
-
-REPO = Path(__file__).resolve().parents[1]
 
 NEW_KEYS = (
     keys.DISPATCH_MS, keys.COMBINE_MS, keys.DISPATCH_FWD_MS, keys.DISPATCH_BWD_MS,
     keys.COMBINE_FWD_MS, keys.COMBINE_BWD_MS, keys.COMM_MS, keys.STEP_MS, keys.COMM_EXPOSED_PCT,
     keys.IMBALANCE_RANK, keys.IMBALANCE_EXPERT, keys.SENT_GB, keys.COMM_BW,
 )
+STEPS = 5  # recipes/debug_cpu.toml
 
 
-def test_cpu_default_recipe_logs_comm_breakdown(tmp_path):
-    dump = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env["WANDB_SILENT"] = "true"
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_comm", "train", "recipes/debug_cpu.toml",
-         "--training.steps", "3", "--metrics.enable_wandb", "--job.dump_folder", str(dump)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=540,
-    )
-    console = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
-    assert proc.returncode == 0, console[-4000:]
+def test_cpu_default_recipe_logs_comm_breakdown(default_run):
+    console, dump = default_run.console, default_run.dump
 
     # console: one line per step, with the comm breakdown (tests/test_console.py pins its fields)
     steps = [STEP_LINE_RE.match(line.split(" - INFO - ", 1)[1]) for line in console.splitlines()
              if " - INFO - step " in line]
-    assert len(steps) == 3 and all(steps), console[-4000:]
+    assert len(steps) == STEPS and all(steps), console[-4000:]
     assert all(float(m["dispatch"]) > 0 and float(m["combine"]) > 0 and m["mfu"] == "n/a" for m in steps)
 
     # JSONL: one object per step with TorchTitan's and our keys
     lines = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
     for line in lines:
         for key in NEW_KEYS + (keys.TPS, keys.TFLOPS, keys.LOSS, keys.MEM_RESERVED):
             assert isinstance(line[key], (int, float)), key

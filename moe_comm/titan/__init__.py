@@ -12,7 +12,8 @@ group, so importing it:
      - "deepseek_v3_moe_comm": TorchTitan's deepseek_v3 spec with our model (token-level MoE)
        and parallelize_fn (EP through the [moe_comm] backend), and moe_comm.metrics' processor;
      - "deepseek_v3_titan": TorchTitan's own deepseek_v3 path, untouched except that on CPU FSDP
-       reduces with SUM (gloo has no PREMUL_SUM). The bitwise "nccl" test compares against it.
+       reduces with SUM (gloo has no PREMUL_SUM), with moe_comm.metrics' processor (it only
+       observes: its JSONL holds the exact losses). The bitwise "nccl" test compares against it.
 """
 
 import dataclasses
@@ -59,7 +60,8 @@ def get_train_spec() -> TrainSpec:
 
 
 def get_reference_train_spec() -> TrainSpec:
-    return dataclasses.replace(_titan_dsv3_train_spec(), parallelize_fn=_parallelize_titan_reference)
+    return dataclasses.replace(_titan_dsv3_train_spec(), parallelize_fn=_parallelize_titan_reference,
+                               build_metrics_processor_fn=metrics.build_metrics_processor)
 
 
 # Python imports a module once, so this runs once per process.

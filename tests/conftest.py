@@ -1,0 +1,52 @@
+"""Shared CPU training runs for the whole suite.
+
+A torchrun start costs 15-30 s on a 2-core machine (imports, model set-up, gloo, TorchTitan's
+2 s sleep at the end) before its first step, so a run that several test files look at is made
+once per session here, and a test that needs a run of its own says why in its docstring.
+
+- `train(dump, *overrides)`: `python -m moe_comm train recipes/debug_cpu.toml` into `dump`, as
+  a user runs it from the repository root; the result has `.console` (stdout + stderr without
+  colour codes) and `.dump`.
+- `default_run`: the README's main job exactly as a user runs it (5 steps, EP 2 over gloo, W&B
+  offline, output to a pipe). Read it, never train into its folder again: copy it first
+  (`shutil.copytree(default_run.dump, ...)`) to resume or extend it.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/debug_cpu.toml"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without the settings a user's shell may carry that change a run's
+    output (W&B credentials and modes, thread counts, HF offline mode)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    for var in ("OMP_NUM_THREADS", "HF_DATASETS_OFFLINE"):
+        env.pop(var, None)
+    env.update(extra)
+    return env
+
+
+def train(dump: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 600,
+          recipe: str = RECIPE) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "moe_comm", "train", recipe, "--job.dump_folder", str(dump), *overrides],
+                          cwd=REPO, env=env or clean_env(WANDB_MODE="offline"), capture_output=True, text=True,
+                          timeout=timeout)
+    proc.console = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    proc.dump = Path(dump)
+    return proc
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`python -m moe_comm train recipes/debug_cpu.toml` (the README's main job), W&B offline."""
+    proc = train(tmp_path_factory.mktemp("default_run") / "debug_cpu")
+    assert proc.returncode == 0, proc.console[-6000:]
+    return proc
