@@ -7,6 +7,7 @@ once per session here, and a test that needs a run of its own says why in its do
 - `train(dump, *overrides)`: `python -m moe_comm train recipes/debug_cpu.toml` into `dump`, as
   a user runs it from the repository root; the result has `.console` (stdout + stderr without
   colour codes) and `.dump`.
+- `train_each({name: (dump, overrides)})`: several `train` runs, two at a time.
 - `default_run`: the README's main job exactly as a user runs it (5 steps, EP 2 over gloo, W&B
   offline, output to a pipe). Read it, never train into its folder again: copy it first
   (`shutil.copytree(default_run.dump, ...)`) to resume or extend it.
@@ -42,6 +43,17 @@ def train(dump: Path, *overrides: str, env: dict[str, str] | None = None, timeou
     proc.console = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
     proc.dump = Path(dump)
     return proc
+
+
+def train_each(runs: dict[str, tuple[Path, tuple[str, ...]]], at_once: int = 2) -> dict[str, subprocess.CompletedProcess]:
+    """`train` for each {name: (dump, overrides)}, `at_once` of them side by side: a run leaves
+    a core idle for seconds (the launcher's checks, TorchTitan's 2 s sleep at the end), which
+    the other one uses."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        futures = {name: pool.submit(train, dump, *overrides) for name, (dump, overrides) in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 @pytest.fixture(scope="session")

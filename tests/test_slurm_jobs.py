@@ -44,6 +44,19 @@ def submit(slurm: LocalSlurm, recipe: Path, *rest: str, timeout: float = 300) ->
     )
 
 
+def render(recipe: Path, *rest: str) -> subprocess.CompletedProcess:
+    """`submit --dry-run` in this process (a fresh one costs seconds of imports): the job script."""
+    import contextlib
+    import io
+
+    from moe_comm.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["submit", str(recipe), "--dry-run", *rest])
+    return subprocess.CompletedProcess(["submit", str(recipe)], rc, out.getvalue(), err.getvalue())
+
+
 CPU_FLAGS = ("--cluster.partition", LIVE_PARTITION, "--cluster.request_gpus", "false",
              "--cluster.env_file", "slurm/env/cpu-local.sh", "--cluster.time", "00:15:00")
 
@@ -212,7 +225,7 @@ def test_directives_are_honoured_by_slurm(slurm):
 def test_b200_job_fits_fake_8_gpu_nodes(slurm, flavor):
     recipe = RECIPES_B200[flavor]
     assert recipe.exists(), f"{recipe} is missing: the B200 recipes come with the recipe issue"
-    proc = submit(slurm, recipe, "--dry-run", "--cluster.partition", GPU_PARTITION)
+    proc = render(recipe, "--cluster.partition", GPU_PARTITION)
     assert proc.returncode == 0, proc.stderr
     script = Path(slurm.root) / f"{flavor}.sbatch"
     script.write_text(proc.stdout)
@@ -227,7 +240,7 @@ def test_b200_job_fits_fake_8_gpu_nodes(slurm, flavor):
 
 def test_too_many_gpus_per_node_is_refused_by_slurm(slurm, tmp_path):
     """The fake gres is real to Slurm: the 16B job asking 9 GPUs per node does not fit."""
-    proc = submit(slurm, RECIPES_B200["16B"], "--dry-run", "--cluster.partition", GPU_PARTITION)
+    proc = render(RECIPES_B200["16B"], "--cluster.partition", GPU_PARTITION)
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --gpus-per-node=8\n" in proc.stdout
     script = tmp_path / "nine.sbatch"

@@ -129,47 +129,60 @@ def finished(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def resumed(finished, tmp_path_factory):
-    dump = _copy(finished, tmp_path_factory, "resumed")
-    run = LongRun(dump, "--checkpoint.enable", "--checkpoint.interval", "500")
-    try:
-        ranks = run.wait_for_step(6)
-        second = train(dump, "--training.steps", "6", timeout=120)
-        claimed = (dump / "claim.json").is_file()
-        run.proc.send_signal(signal.SIGTERM)
-        rc = run.proc.wait(timeout=90)
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        yield SimpleNamespace(dump=dump, console=run.console(), rc=rc, ranks=ranks, second=second, claimed=claimed,
-                              launcher=run.proc.pid, alive=[r for r, pid in ranks.items() if _alive(pid)])
-    finally:
-        run.close()
-
-
-@pytest.fixture(scope="module")
-def hung(finished, tmp_path_factory):
-    dump = _copy(finished, tmp_path_factory, "hung")
-    newest = checkpoints.inspect(dump / "checkpoint")[0]
+def long_runs(finished, tmp_path_factory):
+    """`resumed` and `hung`, started side by side (each leaves a core idle for seconds), then
+    driven one after the other."""
+    resumed_dump = _copy(finished, tmp_path_factory, "resumed")
+    hung_dump = _copy(finished, tmp_path_factory, "hung")
+    newest = checkpoints.inspect(hung_dump / "checkpoint")[0]
     shard = sorted(newest.path.glob("*.distcp"))[0]
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
+    a = LongRun(resumed_dump, "--checkpoint.enable", "--checkpoint.interval", "500")
     # A resumed run never reaches TorchTitan's step 1, where it switches to train_timeout_seconds:
     # all its collectives keep init_timeout_seconds.
-    run = LongRun(dump, "--checkpoint.enable", "--checkpoint.interval", "500", "--comm.init_timeout_seconds", "20")
+    b = LongRun(hung_dump, "--checkpoint.enable", "--checkpoint.interval", "500", "--comm.init_timeout_seconds", "12")
     try:
-        ranks = run.wait_for_step(3)
-        os.kill(ranks[1], signal.SIGSTOP)
-        # rank 0 times out waiting for it; torchrun then sends SIGTERM to rank 1, which a stopped
-        # process only receives once continued: continue it then (instead of torchrun's 30 s grace)
-        _wait("torchrun's SIGTERM to rank 1", lambda: re.search(rf"Sending process {ranks[1]} closing signal SIGTERM",
-                                                                 run.console()), 120, run.console)
-        os.kill(ranks[1], signal.SIGCONT)
-        rc = run.proc.wait(timeout=120)
-        yield SimpleNamespace(dump=dump, shard=shard, newest=newest, console=run.console(), rc=rc, ranks=ranks,
-                              alive=[r for r, pid in ranks.items() if _alive(pid)])
+        yield _drive_resumed(a), _drive_hung(b, newest, shard)
     finally:
-        run.close()
+        a.close()
+        b.close()
+
+
+def _drive_resumed(run: LongRun) -> SimpleNamespace:
+    ranks = run.wait_for_step(6)
+    second = train(run.dump, "--training.steps", "6", timeout=120)
+    claimed = (run.dump / "claim.json").is_file()
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.proc.wait(timeout=90)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return SimpleNamespace(dump=run.dump, console=run.console(), rc=rc, ranks=ranks, second=second, claimed=claimed,
+                           launcher=run.proc.pid, alive=[r for r, pid in ranks.items() if _alive(pid)])
+
+
+def _drive_hung(run: LongRun, newest, shard) -> SimpleNamespace:
+    ranks = run.wait_for_step(3)
+    os.kill(ranks[1], signal.SIGSTOP)
+    # rank 0 times out waiting for it; torchrun then sends SIGTERM to rank 1, which a stopped
+    # process only receives once continued: continue it then (instead of torchrun's 30 s grace)
+    _wait("torchrun's SIGTERM to rank 1", lambda: re.search(rf"Sending process {ranks[1]} closing signal SIGTERM",
+                                                             run.console()), 120, run.console)
+    os.kill(ranks[1], signal.SIGCONT)
+    rc = run.proc.wait(timeout=120)
+    return SimpleNamespace(dump=run.dump, shard=shard, newest=newest, console=run.console(), rc=rc, ranks=ranks,
+                           alive=[r for r, pid in ranks.items() if _alive(pid)])
+
+
+@pytest.fixture(scope="module")
+def resumed(long_runs) -> SimpleNamespace:
+    return long_runs[0]
+
+
+@pytest.fixture(scope="module")
+def hung(long_runs) -> SimpleNamespace:
+    return long_runs[1]
 
 
 def _rows(dump: Path) -> dict[int, dict]:
