@@ -8,9 +8,10 @@ once per session here, and a test that needs a run of its own says why in its do
   a user runs it from the repository root; the result has `.console` (stdout + stderr without
   colour codes) and `.dump`.
 - `train_each({name: (dump, overrides)})`: several `train` runs, two at a time.
-- `default_run`: the README's main job exactly as a user runs it (5 steps, EP 2 over gloo, W&B
-  offline, output to a pipe). Read it, never train into its folder again: copy it first
-  (`shutil.copytree(default_run.dump, ...)`) to resume or extend it.
+- `shared_runs[name]`: the runs of SHARED_RUNS, made once per session (two at a time);
+  `default_run` is shared_runs["default"], the README's main job exactly as a user runs it (5
+  steps, EP 2 over gloo, W&B offline, output to a pipe). Read them, never train into their
+  folders again: copy one first (`shutil.copytree(run.dump, ...)`) to resume or extend it.
 """
 
 import os
@@ -56,9 +57,30 @@ def train_each(runs: dict[str, tuple[Path, tuple[str, ...]]], at_once: int = 2) 
         return {name: future.result() for name, future in futures.items()}
 
 
+# The runs several test files read, started two at a time the first time any of them is asked
+# for: {name: overrides of `train`}. Add a run here, or better reuse one, for a new CPU test.
+SHARED_RUNS = {
+    # the README's main job as a user runs it (5 steps, EP 2, W&B offline)
+    "default": (),
+    # pipeline parallelism: 4 ranks, PP 2 x FSDP 2, EP 2 in each stage, every rank's output
+    "pp2": ("--nproc-per-node", "4", "--log-rank", "all", "--parallelism.pipeline_parallel_degree", "2",
+            "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", "--metrics.no-enable-wandb"),
+    # 4 steps with a checkpoint every 2: copy it to resume, extend or break it
+    "checkpointed": ("--metrics.no-enable_wandb", "--checkpoint.enable", "--checkpoint.interval", "2",
+                     "--training.steps", "4"),
+}
+
+
 @pytest.fixture(scope="session")
-def default_run(tmp_path_factory) -> subprocess.CompletedProcess:
+def shared_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("shared_runs")
+    procs = train_each({name: (tmp / name, overrides) for name, overrides in SHARED_RUNS.items()})
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"shared run {name!r} failed:\n{proc.console[-6000:]}"
+    return procs
+
+
+@pytest.fixture(scope="session")
+def default_run(shared_runs) -> subprocess.CompletedProcess:
     """`python -m moe_comm train recipes/debug_cpu.toml` (the README's main job), W&B offline."""
-    proc = train(tmp_path_factory.mktemp("default_run") / "debug_cpu")
-    assert proc.returncode == 0, proc.console[-6000:]
-    return proc
+    return shared_runs["default"]

@@ -56,7 +56,7 @@ def _assets(tmp_path, env_extra: dict, *args: str) -> subprocess.CompletedProces
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_fetches_the_flagships_tokenizer_and_stages_its_c4_shards(tmp_path):
+def test_fetches_the_flagships_tokenizer_and_stages_its_c4_shards(tmp_path, monkeypatch):
     with FakeHub(_hub_repos()) as hub:
         dry = _assets(tmp_path, {"HF_ENDPOINT": hub.url}, "--dry-run")
         assert dry.returncode == 1 and "would fetch from allenai/c4 (dataset)" in dry.stdout, dry.stdout
@@ -86,10 +86,11 @@ def test_fetches_the_flagships_tokenizer_and_stages_its_c4_shards(tmp_path):
     validation = DATASETS["c4_validation"].loader(str(tmp_path / "c4"))
     assert [s["text"] for s in validation] == ["validation 0"]
 
-    check = subprocess.run(
-        [sys.executable, "-m", "moe_comm", "check", FLAGSHIP, "--model.hf_assets_path", str(tmp_path / "tok"),
-         "--training.dataset_path", str(tmp_path / "c4")], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert check.returncode == 0, check.stderr
+    from moe_comm.__main__ import main
+
+    monkeypatch.chdir(REPO)
+    assert main(["check", FLAGSHIP, "--model.hf_assets_path", str(tmp_path / "tok"),
+                 "--training.dataset_path", str(tmp_path / "c4")]) == 0
 
 
 @pytest.mark.parametrize("how", ["offline", "unreachable"])
@@ -117,11 +118,13 @@ def test_nothing_to_fetch_says_where_to_put_it(tmp_path):
     assert f"dataset    missing  {tmp_path / 'c4'}: the dataset" in proc.stdout
 
 
-def test_check_names_the_assets_verb_for_a_missing_tokenizer():
-    proc = subprocess.run([sys.executable, "-m", "moe_comm", "check", FLAGSHIP], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1  # the plan is printed, then the launch blockers
-    assert f"`python -m moe_comm assets {FLAGSHIP}` fetches" in proc.stdout, proc.stdout
+def test_check_names_the_assets_verb_for_a_missing_tokenizer(capsys, monkeypatch):
+    from moe_comm.__main__ import main
+
+    monkeypatch.chdir(REPO)
+    assert main(["check", FLAGSHIP]) == 1  # the plan is printed, then the launch blockers
+    out = capsys.readouterr().out
+    assert f"`python -m moe_comm assets {FLAGSHIP}` fetches" in out, out
 
 
 def test_the_flagship_reads_its_data_from_the_nodesets_shared_mount():

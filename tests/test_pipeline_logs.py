@@ -9,10 +9,6 @@ both stages' comm (moe_comm/pp{r}/...) besides the whole model's.
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +16,8 @@ from moe_comm.metrics import keys
 from moe_comm.metrics.pipeline import loss_pp_rank, stage_key
 from test_console import STEP_LINE_RE
 
-REPO = Path(__file__).resolve().parents[1]
-STEPS = 2
+STEPS = 2  # conftest.SHARED_RUNS["pp2"]
+
 
 
 def test_the_loss_lives_on_the_last_stage_or_rank_0_for_v_schedules():
@@ -33,21 +29,11 @@ def test_the_loss_lives_on_the_last_stage_or_rank_0_for_v_schedules():
 
 
 @pytest.fixture(scope="module")
-def pp_run(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("pp") / "pp2"
-    env = dict(os.environ)
-    env.pop("WANDB_API_KEY", None)
-    cmd = [
-        sys.executable, "-m", "moe_comm", "train", "recipes/debug_cpu.toml",
-        "--nproc-per-node", "4", "--log-rank", "all",
-        "--job.dump_folder", str(dump),
-        "--parallelism.pipeline_parallel_degree", "2",
-        "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "1",
-        "--metrics.no-enable-wandb",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc, dump
+def pp_run(shared_runs):
+    """conftest's "pp2" run: `train recipes/debug_cpu.toml --nproc-per-node 4 --log-rank all
+    --parallelism.pipeline_parallel_degree 2`, 2 steps."""
+    proc = shared_runs["pp2"]
+    return proc, proc.dump
 
 
 def test_every_rank_prints_the_real_loss_and_its_stage(pp_run):

@@ -121,11 +121,9 @@ def _copy(run: Path, tmp_path_factory, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("finished") / "run"
-    proc = train(dump, *CKPT, "--training.steps", "4")
-    assert proc.returncode == 0, proc.console[-4000:]
-    return dump
+def finished(shared_runs, tmp_path_factory) -> Path:
+    """A copy of conftest's "checkpointed" run (4 steps, a checkpoint every 2)."""
+    return _copy(shared_runs["checkpointed"].dump, tmp_path_factory, "finished")
 
 
 @pytest.fixture(scope="module")
