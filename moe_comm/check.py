@@ -28,7 +28,7 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--skip-files", action="store_true",
-        help="do not require the tokenizer/dataset paths to exist here (checking a cluster recipe elsewhere)",
+        help="do not check the tokenizer, dataset and dump folder here (a recipe for another machine): no launch blockers",
     )
     parser.add_argument(
         "--gpu", default=None, choices=gpus.MODELS,

@@ -41,14 +41,13 @@ class Findings:
     notes: list[str] = field(default_factory=list)
 
 
-def check(config, model_vocab: int, sets_assets_path: bool, *, create_dump: bool = False) -> Findings:
-    """Everything on disk the run needs, as launch blockers and warnings (see the module doc).
-    `create_dump` (train, here): make the dump folder as the run would; otherwise only probe."""
+def check(config, model_vocab: int, sets_assets_path: bool) -> Findings:
+    """Everything on disk the run needs, as launch blockers and warnings (see the module doc)."""
     found = Findings()
     recipe_file = config.job.config_file or "RECIPE.toml"
     _tokenizer(config, model_vocab, sets_assets_path, recipe_file, found)
     _dataset(config, recipe_file, found)
-    problem = dump_folder_problem(config.job.dump_folder, create=create_dump)
+    problem = dump_folder_problem(config.job.dump_folder)
     if problem:
         found.blockers.append(f"[job] dump_folder = {config.job.dump_folder!r} {problem}")
     return found
@@ -263,27 +262,20 @@ def _parquet_problem(path: str, text_field: str) -> str:
 
 # ---- dump folder ------------------------------------------------------------------------------
 
-def dump_folder_problem(folder: str, create: bool = False) -> str:
-    """Why `folder` cannot hold a run's checkpoints, metrics and logs ("" when it can).
-    With `create` it is made (as `train` makes it), else only its nearest existing ancestor
-    is probed by creating and removing a scratch folder in it."""
+def dump_folder_problem(folder: str) -> str:
+    """Why `folder` cannot hold a run's checkpoints, metrics and logs ("" when it can), found
+    by creating and removing a scratch folder in it, or in its nearest existing ancestor (a
+    check leaves nothing behind; `train` makes the folder when it claims it)."""
     path = Path(folder)
     existing = path
-    while not existing.exists():
-        if existing.parent == existing:
-            break
+    while not existing.exists() and existing.parent != existing:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         where = "is a file" if existing == path else f"is under {str(existing)!r}, which is a file"
         return f"{where}: choose a folder path (--job.dump_folder DIR)"
     try:
-        if create:
-            path.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=path, prefix=".moe_comm-probe-")
-            probe.close()
-        else:
-            os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".moe_comm-probe-"))
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".moe_comm-probe-"))
     except OSError as e:
-        what = "cannot be created" if not path.exists() else "is not writable"
+        what = "is not writable" if existing == path else "cannot be created"
         return f"{what} ({e.strerror}: {e.filename or existing}): choose a folder this user can write (--job.dump_folder DIR)"
     return ""

@@ -622,7 +622,7 @@ def load(
     blockers, warnings = [], no_effect_warnings(raw, values, plan)
     if check_paths:
         sets_assets = "model.hf_assets_path" in values or "hf_assets_path" in raw.get("model", {})
-        found = files.check(config, args.vocab_size, sets_assets, create_dump=here)
+        found = files.check(config, args.vocab_size, sets_assets)
         blockers, warnings, notes = found.blockers, warnings + found.warnings, notes + found.notes
         if blockers and not allow_blockers:
             raise LaunchBlockers(blockers)

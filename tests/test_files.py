@@ -63,11 +63,10 @@ def test_an_unusable_dump_folder_is_named_by_check_submit_and_train(case, tmp_pa
     assert f"submit: {field}" in err, err
 
 
-def test_a_writable_dump_folder_passes_and_train_creates_it(tmp_path):
+def test_a_writable_dump_folder_passes_and_nothing_is_left_behind(tmp_path):
     assert files.dump_folder_problem(str(tmp_path / "new" / "run")) == ""
-    assert not (tmp_path / "new").exists()  # only probed
-    assert files.dump_folder_problem(str(tmp_path / "new" / "run"), create=True) == ""
-    assert (tmp_path / "new" / "run").is_dir() and list((tmp_path / "new" / "run").iterdir()) == []
+    assert files.dump_folder_problem(str(tmp_path)) == ""
+    assert list(tmp_path.iterdir()) == []  # only probed
 
 
 # ---- dataset ----------------------------------------------------------------------------------
