@@ -50,6 +50,8 @@ CASES = [
     "cuda_graph_dispatch_dispatch_combine",
     "bad_input_errors",
 ]
+# What a one-GPU training step runs (EP 1: every expert on the rank), at world 1 only.
+WORLD1_CASES = ["moe_layer_ep1_against_nccl"]
 ERROR_CASES = ["slot_overflow_raises", "hang_raises_on_every_rank"]
 # (ranks, virtual node size; 0 = the real node)
 LAYOUTS = [(1, 0), (2, 0), (4, 0), (8, 0), (2, 1), (4, 2), (4, 1), (8, 4), (8, 2)]
@@ -171,6 +173,12 @@ def _result(reports, key, case):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[_layout_id(r, v, False) for r, v in LAYOUTS])
 def test_nvshmem_case(reports, layout, case):
     result = _result(reports, (*layout, False), case)
+    assert result == "PASS", result
+
+
+@pytest.mark.parametrize("case", WORLD1_CASES)
+def test_nvshmem_world1_case(reports, case):
+    result = _result(reports, (1, 0, False), case)
     assert result == "PASS", result
 
 
