@@ -11,7 +11,7 @@ Then, wherever matplotlib is (the raw metrics.jsonl of both runs come back in OU
 CPU smoke path (debug_cpu, nccl, both runs bf16: the same seed must give the same curve):
     python experiments/fp8_dispatch_training.py --recipe recipes/debug_cpu.toml --backend nccl \\
         --dtypes bf16 bf16 --dataset-path ./assets/tiny/c4_tiny --tokenizer ./assets/tiny \\
-        --steps 8 --out /tmp/fp8_smoke --no-wandb
+        --steps 8 --last 4 --out /tmp/fp8_smoke --no-wandb   # 2 x ~70 s on 2 cores
 
 Each run is one `python -m moe_comm train` through experiments/mfu_sweep.py's runner (its own
 dump folder with train.log and metrics.jsonl, the lent machines' NVLink-multicast-off
@@ -104,6 +104,8 @@ def check_data(args: argparse.Namespace) -> dict[str, Any]:
         problems = make_real.check(folder.parent)
         if problems:
             raise SetupError(f"{folder.parent} does not match its manifest: {'; '.join(problems)}; rebuild: {build}")
+    if not (REPO / args.recipe).is_file():
+        raise SetupError(f"--recipe {args.recipe}: no such recipe (paths are relative to the repository root)")
     with open(REPO / args.recipe, "rb") as f:
         training = tomllib.load(f).get("training", {})
     batch = args.batch or training.get("local_batch_size", 8)
@@ -220,11 +222,13 @@ def plot(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Path,
     others = iter(OTHER_COLORS)
     for r in ok:
         c = curves[r.spec.name]
-        color = plots.backend_color(r.spec.backend) if r.spec.name == reference else next(others)
+        is_ref = r.spec.name == reference
+        color = plots.backend_color(r.spec.backend) if is_ref else next(others)
+        lw = 2.2 if is_ref else 1  # under the others, so that identical curves still show both
         label = _label({"backend": r.spec.backend, "dispatch_dtype": r.spec.dispatch_dtype, "tag": r.spec.tag})
         nan = float("nan")
-        ax_loss.plot(c["step"], [v if v is not None else nan for v in c["loss"]], color=color, lw=1, label=label)
-        ax_gn.plot(c["step"], [v if v is not None else nan for v in c["grad_norm"]], color=color, lw=1, label=label)
+        ax_loss.plot(c["step"], [v if v is not None else nan for v in c["loss"]], color=color, lw=lw, label=label)
+        ax_gn.plot(c["step"], [v if v is not None else nan for v in c["grad_norm"]], color=color, lw=lw, label=label)
         if r.spec.name != reference and reference in curves:
             ref = dict(zip(curves[reference]["step"], curves[reference]["loss"]))
             steps = [s for s, v in zip(c["step"], c["loss"]) if v is not None and ref.get(s) is not None]
@@ -286,7 +290,7 @@ def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Pa
     lines += [
         f"{len(results)} runs of `{results[0].spec.recipe if results else '?'}` on {device} ({date}), "
         f"identical but for `[moe_comm] dispatch_dtype`: seed {d['seed']}, local batch {d['local_batch_size']} x "
-        f"seq {d['seq_len']}, {d['tokens_read']:,} tokens read per run. Data: {data}.",
+        f"seq {d['seq_len']}, {d['tokens_read']:,} tokens read per data-parallel rank per run. Data: {data}.",
         "",
         f"| run | dispatch | steps | loss, mean of last {last} | vs {ref} | grad norm, mean of last {last} | vs {ref} | largest per-step loss difference |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
