@@ -60,6 +60,8 @@ class RunSpec:
     local_batch_size: int | None = None  # None: the recipe's own
     seq_len: int | None = None
     instrumented: bool = True
+    dispatch_dtype: str | None = None  # None: the recipe's own [moe_comm] dispatch_dtype
+    tag: str = ""  # tells apart runs that are otherwise the same (a repeat)
 
     @property
     def name(self) -> str:
@@ -68,8 +70,12 @@ class RunSpec:
             parts.append(f"b{self.local_batch_size}")
         if self.seq_len is not None:
             parts.append(f"s{self.seq_len}")
+        if self.dispatch_dtype is not None:
+            parts.append(self.dispatch_dtype)
         if not self.instrumented:
             parts.append("noinst")
+        if self.tag:
+            parts.append(self.tag)
         return "-".join(parts)
 
 
@@ -118,6 +124,8 @@ def train_command(args: argparse.Namespace, spec: RunSpec, dump_folder: Path) ->
         cmd += ["--training.local_batch_size", str(spec.local_batch_size)]
     if spec.seq_len is not None:
         cmd += ["--training.seq_len", str(spec.seq_len)]
+    if spec.dispatch_dtype is not None:
+        cmd += ["--moe_comm.dispatch_dtype", spec.dispatch_dtype]
     # offline W&B runs where wandb is importable (it is not in the GPU image unless carried)
     cmd += ["--metrics.enable_wandb" if args.wandb else "--metrics.no-enable-wandb"]
     return cmd + list(args.overrides)

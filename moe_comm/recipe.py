@@ -17,6 +17,7 @@ goes on to TorchTitan's own parser in the ranks is their canonical spelling (`Re
 """
 
 import difflib
+import json
 import os
 import re
 import subprocess
@@ -489,7 +490,17 @@ def _check_cluster(c) -> None:
         raise RecipeError(f"[cluster] env_file = {c.env_file!r} does not exist; available: {available}")
 
 
-def _check_paths(config) -> None:
+def tokenizer_size(tokenizer_json: str) -> int:
+    """Ids a Hugging Face tokenizer.json can produce: its largest id + 1 (vocab and added tokens)."""
+    with open(tokenizer_json) as f:
+        tok = json.load(f)
+    vocab = tok.get("model", {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t["id"] for t in tok.get("added_tokens", [])]
+    return max(ids) + 1 if ids else 0
+
+
+def _check_paths(config, args) -> None:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     assets = config.model.hf_assets_path
@@ -506,6 +517,14 @@ def _check_paths(config) -> None:
             f"[model] hf_assets_path = {assets!r} has no tokenizer.json (or vocab.json/vocab.txt); "
             f"`{fetch}` fetches it from the hub, or point it at a Hugging Face tokenizer folder "
             "(for the tiny one: python assets/make_tiny.py)"
+        )
+    tokenizer_json = os.path.join(assets, "tokenizer.json")
+    if os.path.isfile(tokenizer_json) and tokenizer_size(tokenizer_json) > args.vocab_size:
+        raise RecipeError(
+            f"[model] hf_assets_path = {assets!r}: its tokenizer makes ids up to "
+            f"{tokenizer_size(tokenizer_json) - 1}, beyond [model] flavor = {config.model.flavor!r}'s "
+            f"vocab_size {args.vocab_size}; use a flavor whose vocabulary covers the tokenizer, or a "
+            "tokenizer of at most that many entries"
         )
     t = config.training
     if t.dataset not in DATASETS:
@@ -609,7 +628,7 @@ def load(
 
     notes = backend_class(config.moe_comm.backend).check_run(plan)
     if check_paths:
-        _check_paths(config)
+        _check_paths(config, args)
     return Recipe(path=path, toml=raw, config=config, layout=layout, device=device,
                   overrides=canonical, plan=plan, notes=notes)
 

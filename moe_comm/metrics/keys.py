@@ -10,6 +10,7 @@ JSONL_NAME = "metrics.jsonl"
 
 # TorchTitan 0.2.2 (torchtitan/components/metrics.py, MetricsProcessor.log)
 LOSS = "loss_metrics/global_avg_loss"
+GRAD_NORM = "grad_norm"  # total norm of the gradients before clipping ([training] max_norm)
 TPS = "throughput(tps)"  # tokens/s per GPU
 TFLOPS = "tflops"
 MFU = "mfu(%)"  # against the peak chosen by moe_comm.metrics.peaks (8-bit peak under fp8)
