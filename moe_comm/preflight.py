@@ -201,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
                 "done_at": {r: g["done_at"] for r, g in got.items()}}, indent=1))
         board.post("preflight-verdict", "ok" if ok else "failed")
     else:
-        ok = board.gather("preflight-verdict", timeout + 10).get(0) == "ok"  # rank 0 judges
+        ok = board.read("preflight-verdict", 0, timeout + 10) == "ok"  # rank 0 judges
     runtime.finalize()
     dist.destroy_process_group()
     return 0 if ok else 1

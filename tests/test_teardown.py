@@ -71,3 +71,12 @@ def test_board_gathers_what_was_posted_and_answers_an_unreachable_store_with_not
             raise dist.DistStoreError("connection reset")
 
     assert PeerBoard(Gone(), "p", 2, 0).gather("x", 0.1) == {}
+
+
+def test_board_reads_one_ranks_post_without_waiting_for_the_others():
+    store = dist.HashStore()
+    board = PeerBoard(store, "p", 4, 1)
+    PeerBoard(store, "p", 4, 0).post("verdict", "ok")
+    start = time.monotonic()
+    assert board.read("verdict", 0, 5.0) == "ok" and time.monotonic() - start < 1.0
+    assert board.read("verdict", 2, 0.2) is None

@@ -25,13 +25,16 @@ __global__ void preflight_kernel(const Buffers* __restrict__ buffers, const Pref
     step.abort = a.step_abort + d;
     const int64_t start = global_time_ns();
     bool answered = true;
-    for (int it = 0; it < a.iters && answered; ++it) {
+    for (int it = 0; it < a.iters; ++it) {
       const uint32_t tag = a.base_tag + it + 1;
+      // Every probe goes out even once `from` has failed this rank: `to` is owed all of them.
       if (a.send_probes) {
         nvshmemx_putmem_signal_nbi_warp(a.recv, a.send, a.bytes, a.sig + d, tag, NVSHMEM_SIGNAL_SET, to);
       }
       // `from` waits only on its own sender, so it may already have sent its next probe.
-      answered = wait_at_least<uint64_t>(a.sig + d, tag, step, kKernelPreflight, kPhaseNetworkRows, from);
+      if (answered) {
+        answered = wait_at_least<uint64_t>(a.sig + d, tag, step, kKernelPreflight, kPhaseNetworkRows, from);
+      }
     }
     __syncwarp();
     nvshmem_quiet();

@@ -40,6 +40,19 @@ class PeerBoard:
         self.store.set(self._key(name, self.rank), value)
         self.store.add(f"{self.prefix}/{name}/count", 1)
 
+    def read(self, name: str, rank: int, timeout_s: float) -> str | None:
+        """What `rank` posted as `name`, waiting up to `timeout_s` for it (None if it never did)."""
+        deadline = time.monotonic() + timeout_s
+        key = self._key(name, rank)
+        try:
+            while not self.store.check([key]):
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(POLL_S)
+            return self.store.get(key).decode()
+        except RuntimeError:  # DistStoreError included: the store's host is gone
+            return None
+
     def gather(self, name: str, timeout_s: float) -> dict[int, str]:
         """rank -> value for every rank that posted `name` within `timeout_s` (this one
         included); an unreachable store answers with nothing rather than an exception."""
