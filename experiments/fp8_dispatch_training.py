@@ -65,13 +65,17 @@ class SetupError(Exception):
 # ---- plan -------------------------------------------------------------------------------------
 
 def plan(args: argparse.Namespace) -> list[mfu_sweep.RunSpec]:
-    """One run per --dtypes entry; a dtype given again is a repeat, tagged so its folder differs."""
+    """One run per --runs entry (BACKEND:DTYPE; default --backend with each --dtypes entry); an
+    entry given again is a repeat, tagged so its folder differs."""
+    entries = args.runs or [f"{args.backend}:{dtype}" for dtype in args.dtypes]
     specs, seen = [], {}
-    for dtype in args.dtypes:
-        seen[dtype] = seen.get(dtype, 0) + 1
-        tag = f"repeat{seen[dtype]}" if seen[dtype] > 1 else ""
-        specs.append(mfu_sweep.RunSpec(args.recipe, args.backend, args.batch, args.seq,
-                                       dispatch_dtype=dtype, tag=tag))
+    for entry in entries:
+        backend, _, dtype = entry.partition(":")
+        if not backend or dtype not in ("bf16", "fp8"):
+            raise SetupError(f"--runs {entry!r}: write BACKEND:DTYPE, e.g. nvshmem:fp8 or nccl:bf16")
+        seen[entry] = seen.get(entry, 0) + 1
+        tag = f"repeat{seen[entry]}" if seen[entry] > 1 else ""
+        specs.append(mfu_sweep.RunSpec(args.recipe, backend, args.batch, args.seq, dispatch_dtype=dtype, tag=tag))
     return specs
 
 
@@ -369,6 +373,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backend", default="nvshmem", help="[moe_comm] backend of every run")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                    help="dispatch_dtype of each run, the first is the reference; repeat one for a control run")
+    p.add_argument("--runs", nargs="+", metavar="BACKEND:DTYPE",
+                   help="the runs, the first the reference (e.g. nvshmem:bf16 nvshmem:fp8 nccl:bf16); "
+                   "default: --backend with each --dtypes entry")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, help="local batch size (default: the recipe's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the recipe's)")
