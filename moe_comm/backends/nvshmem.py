@@ -33,6 +33,18 @@ class NvshmemHandle:
     tensors: tuple  # rank_pos, send_idx, rail_counts, net_route, recv_info, slot_rows, slot_w, slot_origin
 
 
+def rows_in_compute_dtype(x_TD: torch.Tensor) -> torch.Tensor:
+    """The rows the experts compute on. Under FSDP's mixed precision a block's input is already
+    bf16; where TorchTitan trains under autocast instead (one GPU, or DDP: no FSDP to cast the
+    block's inputs) the residual stream arrives in fp32 while the grouped GEMM computes in the
+    autocast dtype, so moving fp32 rows would cost twice the bytes for nothing (and FP8 dispatch
+    quantises from bf16). Differentiable: the gradient returns in fp32."""
+    device = x_TD.device.type
+    if x_TD.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return x_TD.to(torch.get_autocast_dtype(device))
+    return x_TD
+
+
 def token_group_alignment() -> int:
     """TorchTitan's per-expert row alignment for grouped GEMMs (8 bf16, 16 fp8, 32 mxfp8),
     read at call time because the low-precision converters change it after model build."""
@@ -209,6 +221,7 @@ class NvshmemBackend(CommBackend):
         raise RuntimeError(f"{where}: a token picked the same expert twice (topk indices must be distinct per token)")
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> DispatchResult:
+        x_TD = rows_in_compute_dtype(x_TD)
         if self.runtime is None:
             self._start(x_TD)
         self.check_errors()
