@@ -83,7 +83,7 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
     from moe_comm.kernels import capacity
 
     c = r.config
-    if c.moe_comm.backend != "nvshmem" or r.layout.ep <= 1:
+    if c.moe_comm.backend != "nvshmem":
         return []
     from moe_comm.routing_plan import GROUPED_GEMM_ALIGNMENT
     from moe_comm.scale_model import workload_from_recipe
@@ -113,7 +113,9 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     from moe_comm import scale_calibration, scale_model
 
     if r.layout.ep <= 1:
-        return ["MoE comm    expert_parallel_degree 1: no dispatch/combine traffic"]
+        return [f"MoE comm    expert_parallel_degree 1: every expert on each rank, nothing crosses a link; the "
+                f"{r.config.moe_comm.backend} backend still lays the rows out expert-major and back (its dispatch "
+                "and combine), which the step line times"]
     if gpu == "cpu":
         return ["MoE comm    CPU recipe: the scale model prices GPU clusters (pass --gpu H200/H100/B200)"]
     if not gpu:

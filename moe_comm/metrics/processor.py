@@ -255,8 +255,6 @@ class MoECommMetricsProcessor(MetricsProcessor):
         measured = keys.COMM_MS in mine
         if measured:
             note = ""
-        elif not self.parallel_dims.ep_enabled:
-            note = "no expert parallelism"
         elif os.environ.get("MOE_COMM_INSTRUMENT", "1") == "0":
             note = "MOE_COMM_INSTRUMENT=0"
         else:

@@ -13,15 +13,42 @@ casts every floating-point input to the bf16 param dtype, which would round the 
 weights before combine. TorchTitan's standard path never passes them through that module, so
 to match it bit for bit in bf16 they must not either.
 
-Without expert parallelism (no backend attached) it runs TorchTitan's standard forward.
+The backend is attached at every EP degree, EP 1 included (one rank holds every expert), so
+the recipe's backend is what runs: at EP 1 nothing crosses a link, and the backend's local work
+(the nccl backend: TorchTitan's own sort, gather and padding permute; nvshmem: its layout
+kernels) is what the step pays. Rows reach the experts already padded per expert for the
+grouped GEMM (`BackendExperts`). Without a backend (a model built outside moe_comm.titan's
+parallelize) it runs TorchTitan's standard forward.
 """
 
 import torch
+from torch.distributed.tensor import DTensor
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from torchtitan.models.moe import MoE
-from torchtitan.models.moe.moe import MoEArgs
+from torchtitan.models.moe import moe as titan_moe
+from torchtitan.models.moe.moe import GroupedExperts, MoEArgs
 
 from moe_comm.backends.base import CommBackend
+
+
+class BackendExperts(GroupedExperts):
+    """TorchTitan's GroupedExperts (same parameters and init) whose input comes from a backend's
+    dispatch, already expert-major as the grouped GEMM takes it (nccl and nvshmem pad each
+    expert's segment to TOKEN_GROUP_ALIGN_SIZE_M; deepep's exact segments suit bf16).
+
+    TorchTitan pads inside the experts module when the weights are not sharded on an "ep" mesh
+    (`indices_padding_wrapper`), i.e. at EP 1; rows a backend laid out must not be gathered and
+    scattered a second time, so once `rows_from_backend` is set the grouped GEMM runs on them as
+    they are, at every EP degree."""
+
+    rows_from_backend: bool = False
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if not (self.rows_from_backend and self.use_grouped_mm):
+            return super().forward(x, num_tokens_per_expert)
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        # looked up at call time: TorchTitan's apply_compile swaps in a compiled version
+        return titan_moe._run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
 
 
 class TokenLevelMoE(MoE):
@@ -29,7 +56,9 @@ class TokenLevelMoE(MoE):
 
     def __init__(self, moe_args: MoEArgs, dim: int, hidden_dim: int):
         super().__init__(moe_args, dim, hidden_dim)
-        # Set by moe_comm.titan.expert_parallel.apply_backend_ep when EP shards the experts.
+        # The same module in the same slot, so parameter names and init stay TorchTitan's.
+        self.experts = BackendExperts(dim, hidden_dim, moe_args.num_experts, moe_args.use_grouped_mm)
+        # Set by moe_comm.titan.expert_parallel.apply_backend_ep (every EP degree).
         self.comm_backend: CommBackend | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

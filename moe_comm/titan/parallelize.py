@@ -12,6 +12,7 @@ import os
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import JobConfig, TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -60,13 +61,21 @@ def check_before_build(model: nn.Module, parallel_dims: ParallelDims, job_config
     machine = gpus.this_machine()
     device = "cuda" if machine else "cpu"
     recipe.check_layout(job_config, layout, model.model_args, device)
+    plan = recipe.run_plan(
+        job_config, layout, model.model_args, device,
+        gpu=machine[0] if machine else "", gpu_sms=machine[1] if machine else 0,
+        launch_env=dict(os.environ), launch_env_source="this process's environment",
+    )
+    backend_class(job_config.moe_comm.backend).check_run(plan)
+
+
+def ep_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
+    """The EP mesh, also at EP 1: TorchTitan builds a one-rank "ep" dimension then but its
+    `get_mesh` returns only enabled dimensions, so the one-rank mesh is read from its table."""
     if parallel_dims.ep_enabled:
-        plan = recipe.run_plan(
-            job_config, layout, model.model_args, device,
-            gpu=machine[0] if machine else "", gpu_sms=machine[1] if machine else 0,
-            launch_env=dict(os.environ), launch_env_source="this process's environment",
-        )
-        backend_class(job_config.moe_comm.backend).check_run(plan)
+        return parallel_dims.get_mesh("ep")
+    parallel_dims.get_optional_mesh("ep")  # builds the meshes if they are not built yet
+    return parallel_dims._meshes["ep"]
 
 
 def parallelize_deepseekv3_moe_comm(
@@ -99,8 +108,7 @@ def parallelize_deepseekv3_moe_comm(
             ep_etp_mesh=None,
         )
 
-    if parallel_dims.ep_enabled:
-        apply_backend_ep(model, parallel_dims.get_mesh("ep"), job_config.moe_comm)
+    apply_backend_ep(model, ep_mesh(parallel_dims), job_config.moe_comm)
 
     if parallel_dims.cp_enabled:
         from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
@@ -121,7 +129,8 @@ def parallelize_deepseekv3_moe_comm(
             base_folder=job_config.job.dump_folder,
         )
     if model_compile_enabled:
-        apply_compile(model, job_config.compile, parallel_dims.ep_enabled)
+        # a backend serves the MoE layers at every EP degree: compile around it, as under EP
+        apply_compile(model, job_config.compile, True)
 
     if parallel_dims.fsdp_enabled or parallel_dims.ep_enabled:
         dp_mesh_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
