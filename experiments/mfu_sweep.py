@@ -60,6 +60,8 @@ class RunSpec:
     local_batch_size: int | None = None  # None: the recipe's own
     seq_len: int | None = None
     instrumented: bool = True
+    overrides: list[str] = field(default_factory=list)  # this run's own TorchTitan overrides
+    tag: str = ""  # names what the overrides change (e.g. "acfull"), appended to the run name
 
     @property
     def name(self) -> str:
@@ -68,6 +70,8 @@ class RunSpec:
             parts.append(f"b{self.local_batch_size}")
         if self.seq_len is not None:
             parts.append(f"s{self.seq_len}")
+        if self.tag:
+            parts.append(self.tag)
         if not self.instrumented:
             parts.append("noinst")
         return "-".join(parts)
@@ -120,7 +124,7 @@ def train_command(args: argparse.Namespace, spec: RunSpec, dump_folder: Path) ->
         cmd += ["--training.seq_len", str(spec.seq_len)]
     # offline W&B runs where wandb is importable (it is not in the GPU image unless carried)
     cmd += ["--metrics.enable_wandb" if args.wandb else "--metrics.no-enable-wandb"]
-    return cmd + list(args.overrides)
+    return cmd + list(spec.overrides) + list(args.overrides)
 
 
 def _failure_kind(log_text: str, returncode: int) -> str:
