@@ -5,7 +5,7 @@ results/scale_model_validation.json.
     python experiments/scale_model.py            # writes results/scale_model.{md,json,png}
 
 Runs on a CPU in about a minute: it reads the 2xH200 result files, fits the model's measured
-constants (moe_comm.scale_calibration), draws routings and prices them.
+constants (moe_comm.predict.calibration), draws routings and prices them.
 """
 
 import argparse
@@ -19,7 +19,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from moe_comm import estimate, recipe, scale_calibration, scale_model, scale_validation  # noqa: E402
+from moe_comm import recipe  # noqa: E402
+from moe_comm.predict import estimate, scale_model  # noqa: E402
+from moe_comm.predict import validation  # noqa: E402
 
 FLAGSHIP = "recipes/deepseek_v3_671b_b200.toml"
 # EP 8/16/32 keep the flagship's PP 8 x FSDP 32; EP 64 and 256 need more ranks to borrow from
@@ -124,18 +126,18 @@ def anchor_section(cal, rows, lines, data):
         lines.append(f"| {r.id.rsplit('/', 1)[1]} | {r.use} | {fmt(r.measured)} | {fmt(r.predicted)} | {r.error_pct:+.1f}% |")
     # the same without the fitted B200 efficiency: every efficiency as measured on H200
     raw = replace(cal, gpu_gemm_efficiency={})
-    figs = [f for f in scale_validation.load_figures() if f["kind"] == "anchor"]
+    figs = [f for f in validation.load_figures() if f["kind"] == "anchor"]
     lines += ["", "With the H200's measured GEMM efficiency on B200 too (nothing fitted to an anchor):", "",
               "| figure | measured | predicted | error |", "| --- | --- | --- | --- |"]
     data["anchor_unfitted"] = {}
     for f in figs:
-        m, pr = scale_validation.measured(f), scale_validation.predicted(f, raw)
+        m, pr = validation.measured(f), validation.predicted(f, raw)
         lines.append(f"| {f['id'].rsplit('/', 1)[1]} | {fmt(m)} | {fmt(pr)} | {100 * (pr / m - 1):+.1f}% |")
         data["anchor_unfitted"][f["id"]] = pr
     # what DeepEP's network rate would have to be to reproduce 859
     f = next(f for f in figs if f["id"].endswith("/deepep"))
     w, cluster = scale_model.workload_from_spec(f["predict"], cal)
-    target = scale_validation.measured(f)
+    target = validation.measured(f)
     lo, hi = 0.5, cluster.nic_gbps
     for _ in range(40):
         mid = (lo + hi) / 2
@@ -177,14 +179,14 @@ def validation_section(rows, lines, data):
 
 def memory_section(lines):
     lines += ["## Memory estimate", "",
-              "`moe_comm.estimate.memory_per_gpu` now prices the two moments a step peaks: the end of the forward "
+              "`moe_comm.predict.estimate.memory_per_gpu` now prices the two moments a step peaks: the end of the forward "
               "pass (fp32 params + AdamW moments 12 B/param sharded, FSDP working set, every activation and the "
               "logits; no gradient exists yet) and the end of the backward pass (the same plus 4 B/param of sharded "
               "fp32 gradients and the largest unit's unsharded gradients in bf16 and fp32, the activations gone). "
               "The larger is the peak in use (TorchTitan's memory/max_active); torch's caching allocator reserves "
               f"about {estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM:.0f} bytes per output-projection parameter "
               "(vocab x dim) more (memory/max_reserved; an empirical fit, "
-              f"`scale_validation.fit_allocator_cache` = {scale_validation.fit_allocator_cache():.1f}). The old "
+              f"`validation.fit_allocator_cache` = {validation.fit_allocator_cache():.1f}). The old "
               "estimate counted 16 B/param alongside every activation (116 GiB for the 671B-shaped layers at "
               "4 x 4096, 15% under the 137 GiB reserved) - gradients and activations never peak together. Residuals "
               "are in the validation table (memory rows): within 3% of the peak in use and 2% of reserved for the "
@@ -271,14 +273,14 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "scale_model.md"))
     args = ap.parse_args()
     out = Path(args.out)
-    cal = scale_calibration.calibrate()
-    rows = scale_validation.validate(cal)
+    cal = validation.calibrate()
+    rows = validation.validate(cal)
     data: dict = {}
     lines = ["# Scale model: dispatch/combine and MFU at 256 B200, validated on 2xH200", "",
              f"Made by `python experiments/scale_model.py` on {datetime.date.today().isoformat()} (CPU; no GPU "
              "needed) from the 2xH200 result files in results/h200x2 and the figures in "
-             "results/scale_model_validation.json. The model: moe_comm/scale_model.py (routing counts: "
-             "moe_comm/routing_plan.py; memory: moe_comm/estimate.py). `python -m moe_comm check RECIPE` prints "
+             "results/scale_model_validation.json. The model: moe_comm/predict/scale_model.py (routing counts: "
+             "moe_comm/predict/routing_plan.py; memory: moe_comm/predict/estimate.py). `python -m moe_comm check RECIPE` prints "
              "the same predictions for one recipe. Plot: `scale_model.png`; numbers: `scale_model.json`.", ""]
     flagship_section(cal, lines, data)
     anchor_section(cal, rows, lines, data)

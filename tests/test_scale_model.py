@@ -6,9 +6,9 @@ from dataclasses import replace
 import pytest
 from torchtitan.models.moe import MoEArgs
 
-from moe_comm import estimate, scale_calibration, scale_model, scale_validation
-from moe_comm.scale_calibration import Calibration, OpCost
-from moe_comm.scale_model import Cluster, GPUSpec, Workload
+from moe_comm.predict import estimate, scale_model, validation
+from moe_comm.predict.calibration import Calibration, OpCost
+from moe_comm.predict.scale_model import Cluster, GPUSpec, Workload
 
 META = 128  # csrc/common/wire.h kNetMetaBytes
 
@@ -117,11 +117,11 @@ def test_step_terms_by_hand():
     w = Workload("16B", a, lay, 1, 4096, 1, "none", (), "random", num_sms=20)
     p = scale_model.predict("nvshmem", w, cluster, cal)
     T = 4096
-    assert p.terms_ms["gemm"] == pytest.approx(T * scale_model.matmul_flops_per_token(a) / (1000e12 * 0.5) * 1e3)
+    assert p.terms_ms["gemm"] == pytest.approx(T * estimate.matmul_flops_per_token(a) / (1000e12 * 0.5) * 1e3)
     assert p.terms_ms["attention"] == pytest.approx(
         T * 0.5 * 6 * a.n_layers * a.n_heads * 320 * 4096 / (1000e12 * 0.25) * 1e3)
     assert p.terms_ms["memory-bound"] == pytest.approx(
-        T * 2.0 * scale_model.memory_bound_bytes_per_token(a) / 4.0e12 * 1e3)
+        T * 2.0 * estimate.memory_bound_bytes_per_token(a) / 4.0e12 * 1e3)
     assert p.terms_ms["optimizer"] == pytest.approx(32 * estimate.count_params(a).total / 2 / (0.5 * 4.0e12) * 1e3)
     assert p.terms_ms["moe comm"] == pytest.approx(p.comm.time_us * (a.n_layers - a.n_dense_layers) / 1e3)
     busy = sum(v for k, v in p.terms_ms.items() if k != "idle")
@@ -160,13 +160,13 @@ def test_bad_backend_and_gpu():
 
 @pytest.fixture(scope="module")
 def validated():
-    cal = scale_calibration.calibrate()
-    return cal, {r.id: r for r in scale_validation.validate(cal)}
+    cal = validation.calibrate()
+    return cal, {r.id: r for r in validation.validate(cal)}
 
 
 def test_every_figure_resolves_and_the_table_is_data(validated):
     _, rows = validated
-    figures = scale_validation.load_figures()
+    figures = validation.load_figures()
     assert len(rows) == len(figures) and len({f["id"] for f in figures}) == len(figures)
     assert {r.kind for r in rows.values()} == {"comm_bench", "training", "memory", "anchor"}
     assert all(r.use in ("held out", "calibration") or r.use.startswith("calibration (") for r in rows.values())
@@ -197,7 +197,7 @@ def test_memory_within_3_percent_for_bf16_runs(validated):
 
 
 def test_allocator_cache_constant_matches_its_fit():
-    assert scale_validation.fit_allocator_cache() == pytest.approx(
+    assert validation.fit_allocator_cache() == pytest.approx(
         estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM, abs=1.0)
 
 
