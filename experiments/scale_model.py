@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from moe_comm import recipe  # noqa: E402
-from moe_comm.predict import estimate, scale_model  # noqa: E402
+from moe_comm.predict import calibration, estimate, scale_model  # noqa: E402
 from moe_comm.predict import validation  # noqa: E402
 
 FLAGSHIP = "recipes/deepseek_v3_671b_b200.toml"
@@ -55,8 +55,8 @@ def flagship_section(cal, lines, data):
               "need PP 4 and PP 1 (EP must divide dp_shard x cp x tp). Per rank and step: rows and bytes of "
               "every MoE transfer (dispatch, combine, their backward, and the forward again under full AC); "
               "\"comm\" is the MoE communication time, all of it exposed (TorchTitan 0.2.2 runs dispatch and "
-              "combine on the compute stream). B200 GEMM efficiency: fitted to the Nebius standard-path run "
-              "(see the anchor section).", "",
+              "combine on the compute stream). B200 GEMM efficiency: the H200's measured share of peak "
+              "(an assumption; nothing is fitted to the Nebius anchors).", "",
               "| EP | layout | nodes / EP group | backend | network rows/step | NVLink rows/step | network GB/step | "
               "NVLink GB/step | MoE comm s/step | exposed comm s | overlapped s | step s | tok/s/GPU | MFU (bf16 peak) | "
               "memory in use GiB |",
@@ -124,16 +124,7 @@ def anchor_section(cal, rows, lines, data):
               "| figure | use | measured tok/s/GPU | predicted | error |", "| --- | --- | --- | --- | --- |"]
     for r in anchors:
         lines.append(f"| {r.id.rsplit('/', 1)[1]} | {r.use} | {fmt(r.measured)} | {fmt(r.predicted)} | {r.error_pct:+.1f}% |")
-    # the same without the fitted B200 efficiency: every efficiency as measured on H200
-    raw = replace(cal, gpu_gemm_efficiency={})
     figs = [f for f in validation.load_figures() if f["kind"] == "anchor"]
-    lines += ["", "With the H200's measured GEMM efficiency on B200 too (nothing fitted to an anchor):", "",
-              "| figure | measured | predicted | error |", "| --- | --- | --- | --- |"]
-    data["anchor_unfitted"] = {}
-    for f in figs:
-        m, pr = validation.measured(f), validation.predicted(f, raw)
-        lines.append(f"| {f['id'].rsplit('/', 1)[1]} | {fmt(m)} | {fmt(pr)} | {100 * (pr / m - 1):+.1f}% |")
-        data["anchor_unfitted"][f["id"]] = pr
     # what DeepEP's network rate would have to be to reproduce 859
     f = next(f for f in figs if f["id"].endswith("/deepep"))
     w, cluster = scale_model.workload_from_spec(f["predict"], cal)
@@ -145,9 +136,9 @@ def anchor_section(cal, rows, lines, data):
         # a slower network gives fewer tokens/s: above the target, the rate can drop further
         lo, hi = (mid, hi) if scale_model.predict("deepep", w, c, cal).tokens_per_s_per_gpu < target else (lo, mid)
     p = scale_model.predict("deepep", w, cluster, cal)
-    lines += ["", f"Reading of the error: the fitted B200 GEMM efficiency ({cal.gemm_efficiency_of('B200'):.2f} of "
-              f"peak, against {cal.gemm_efficiency:.2f} measured on H200) absorbs what the standard path's run "
-              "does not explain; with it the model still expects DeepEP to gain more than it did. Per step and "
+    lines += ["", "Nothing is fitted to these figures: B200 GEMMs run at the H200's measured share of peak "
+              f"({cal.gemm_efficiency:.2f}), an assumption until issue 24's layer benchmark measures the compute. "
+              "Per step and "
               f"rank the model gives DeepEP {p.terms_ms['moe comm'] / 1e3:.1f} s of MoE communication (network "
               f"{p.per_step('network_bytes') / GB:,.0f} GB at {cluster.network_gbps:.0f} GB/s, its host syncs, "
               "TorchTitan's permutes); the measured 859 tok/s/GPU needs DeepEP's network phase to run at about "
@@ -230,8 +221,8 @@ def gaps_section(lines):
               "- **Inter-node:** no multi-node figure exists yet; the network rate (DeepEP V1's 43 GB/s), the "
               "hierarchical path's fixed cost and the NVLink forward's SM budget are assumptions until the lead's "
               "inter-node kernels and a multi-node run measure them.",
-              "- **B200:** no B200 was measured here: its GEMM efficiency is fitted to the Nebius standard-path "
-              "run; its attention, HBM and per-SM kernel speeds are the H200's.", ""]
+              "- **B200:** no B200 was measured here: its GEMM, attention, HBM and per-SM kernel efficiencies are "
+              "the H200's (each of its own peak); nothing is fitted to the Nebius anchors.", ""]
 
 
 def plot(data, rows, path):
@@ -273,7 +264,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "scale_model.md"))
     args = ap.parse_args()
     out = Path(args.out)
-    cal = validation.calibrate()
+    cal = calibration.calibrate()
     rows = validation.validate(cal)
     data: dict = {}
     lines = ["# Scale model: dispatch/combine and MFU at 256 B200, validated on 2xH200", "",

@@ -111,7 +111,7 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
 def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     """Per backend: the hierarchy, rows and bytes per phase per step, comm time, step and MFU
     from moe_comm.predict.scale_model on this recipe's cluster, and the backend it expects to win."""
-    from moe_comm.predict import scale_model, validation
+    from moe_comm.predict import calibration, scale_model
 
     if r.layout.ep <= 1:
         return ["MoE comm    expert_parallel_degree 1: no dispatch/combine traffic"]
@@ -120,7 +120,7 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     if not gpu:
         return ["MoE comm    GPU not known here: set [cluster] gpu or pass --gpu for the scale model's predictions"]
     try:
-        cal = validation.calibrate()
+        cal = calibration.calibrate()
         w = scale_model.workload_from_recipe(r)
         cluster = scale_model.cluster_for(gpu, r.layout.nodes, r.layout.procs_per_node, cal)
         preds = scale_model.predict_all(w, cluster, cal)

@@ -13,8 +13,9 @@ them). The fits, and which measured figures they use (the validation table marks
     backward per-row cost from a training pair's profiles (nccl vs nvshmem, batch 2 x 4096);
   * compute: GEMM efficiency, attention efficiency, the memory-bound rest and the idle share
     from TorchTitan's step-10 profiles of the 671B-shaped layers;
-  * B200 GEMM efficiency: fitted on top of these, in moe_comm.predict.validation (it needs the
-    step model), to the public anchor the validation table marks as calibrating it.
+  * nothing is fitted to a public anchor (issue 24): the anchors are read only for the
+    validation table. No B200 was measured here, so B200 (and H100) GEMMs run at the H200's
+    measured share of their own peak, an assumption listed with the others.
 """
 
 import json
@@ -66,10 +67,6 @@ class Calibration:
     memory_bytes_factor: float  # memory-bound kernels' time = factor x activation bytes / HBM
     idle_ratio: float  # GPU idle / busy
     assumptions: list = field(default_factory=list)
-    gpu_gemm_efficiency: dict = field(default_factory=dict)  # other GPUs, fitted to an anchor
-
-    def gemm_efficiency_of(self, gpu: str) -> float:
-        return self.gpu_gemm_efficiency.get(gpu, self.gemm_efficiency)
 
 
 def _one(bench: dict, **match) -> dict:
@@ -247,8 +244,9 @@ def calibrate(results: Path = RESULTS) -> Calibration:
     A.append(Assumption("nccl path: per expert row per backward round trip", nccl_bwd_row, "us",
                         f"{rel}/runs/mfu_sweep/*-{{nccl,nvshmem}}-b2-s4096 profiles: other-kernel time difference "
                         "less the forward permutes"))
-    A.append(Assumption("B200 and H100 reach the H200's attention, HBM and per-SM kernel efficiencies", 1.0, "",
-                        "assumption: no B200 was measured here"))
+    A.append(Assumption("B200 and H100 reach the H200's GEMM, attention, HBM and per-SM kernel efficiencies "
+                        "(each of its own peak)", 1.0, "",
+                        "assumption: no B200 was measured here; issue 24's one-GPU layer benchmark replaces it"))
     cal = Calibration(
         p2p_gbps=p2p, nvlink_copy_efficiency=copy_eff, kernel_floor_us=floor, ops=ops, deepep_ops=deepep_ops,
         expand=layout["expand"], reduce=layout["reduce"], layout_hbm_efficiency=layout_eff,

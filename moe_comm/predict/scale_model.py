@@ -367,8 +367,8 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     linear_fp8 = any("linear" in c for c in low)
     f_expert = expert_flops_per_token(a)
     f_rest = matmul_flops_per_token(a) - f_expert
-    fp8_rate = gpu.fp8_tflops * 1e12 * cal.gemm_efficiency_of(gpu.name)
-    bf16_rate = gpu.bf16_tflops * 1e12 * cal.gemm_efficiency_of(gpu.name)
+    fp8_rate = gpu.fp8_tflops * 1e12 * cal.gemm_efficiency
+    bf16_rate = gpu.bf16_tflops * 1e12 * cal.gemm_efficiency
     gemm_s = T * stage * passes * (f_expert / (fp8_rate if expert_fp8 else bf16_rate)
                                    + f_rest / (fp8_rate if linear_fp8 else bf16_rate))
     attn_s = T * stage * passes * attention_flops_per_token(a, w.seq_len) / (

@@ -8,11 +8,10 @@ by adding a row there; nothing here changes.
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from moe_comm.predict import calibration, estimate, scale_model
-from moe_comm.predict.assumptions import REPO, VALIDATION, Assumption
+from moe_comm.predict.assumptions import REPO, VALIDATION
 
 
 def load_figures(path: Path = VALIDATION) -> list[dict]:
@@ -118,34 +117,3 @@ def fit_allocator_cache(figures: list[dict] | None = None) -> float:
         sxy += x * gap
         sxx += x * x
     return sxy / sxx
-
-
-@lru_cache(maxsize=4)
-def calibrate(validation: Path = VALIDATION) -> calibration.Calibration:
-    """The measured constants (moe_comm.predict.calibration), then the B200 GEMM efficiency fitted
-    to the validation table's calibrating anchor."""
-    cal = calibration.calibrate()
-    _fit_anchored_gemm_efficiency(cal, validation)
-    return cal
-
-
-def _fit_anchored_gemm_efficiency(cal: calibration.Calibration, validation: Path) -> None:
-    """A GPU measured nowhere here gets the GEMM efficiency at which the model reproduces the
-    public end-to-end figure the validation table marks as calibrating it; the other anchors of
-    the same GPU stay held out."""
-    for fig in json.loads(validation.read_text())["figures"]:
-        if not fig["use"].startswith("calibration (B200 GEMM efficiency"):
-            continue
-        spec, target = fig["predict"], fig["measured"]["value"]
-        w, cluster = scale_model.workload_from_spec(spec, cal)
-        lo, hi = 0.02, 1.0
-        for _ in range(50):  # tokens/s grows with the efficiency: bisect
-            cal.gpu_gemm_efficiency[spec["gpu"]] = (lo + hi) / 2
-            if scale_model.predict(spec["backend"], w, cluster, cal).tokens_per_s_per_gpu < target:
-                lo = (lo + hi) / 2
-            else:
-                hi = (lo + hi) / 2
-        cal.gpu_gemm_efficiency[spec["gpu"]] = (lo + hi) / 2
-        cal.assumptions.append(Assumption(
-            f"{spec['gpu']} GEMM efficiency (fitted: the model reproduces {fig['id']}, {target} tok/s/GPU)",
-            (lo + hi) / 2, "of peak", f"{fig['measured']['source']}; layout: {spec['workload_source']}"))
