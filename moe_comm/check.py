@@ -1,11 +1,12 @@
 """`python -m moe_comm check RECIPE.toml`: validate a recipe without starting anything, then
-print its resolved parallel layout, a per-GPU memory estimate (moe_comm.estimate) and, per
+print its resolved parallel layout, a per-GPU memory estimate (moe_comm.predict.estimate) and, per
 backend, the scale model's MoE traffic, comm time and MFU on the recipe's cluster
-(moe_comm.scale_model)."""
+(moe_comm.predict.scale_model)."""
 
 import argparse
 
-from moe_comm import estimate, gpus, recipe
+from moe_comm import gpus, recipe
+from moe_comm.predict import estimate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +86,8 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
     c = r.config
     if c.moe_comm.backend != "nvshmem":
         return []
-    from moe_comm.routing_plan import GROUPED_GEMM_ALIGNMENT
-    from moe_comm.scale_model import workload_from_recipe
+    from moe_comm.predict.routing_plan import GROUPED_GEMM_ALIGNMENT
+    from moe_comm.predict.scale_model import workload_from_recipe
 
     mc, t, lay = c.moe_comm, c.training, r.layout
     w = workload_from_recipe(r)  # tokens per MoE call and ranks per (virtual) node, as the model counts them
@@ -109,8 +110,8 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
 
 def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     """Per backend: the hierarchy, rows and bytes per phase per step, comm time, step and MFU
-    from moe_comm.scale_model on this recipe's cluster, and the backend it expects to win."""
-    from moe_comm import scale_calibration, scale_model
+    from moe_comm.predict.scale_model on this recipe's cluster, and the backend it expects to win."""
+    from moe_comm.predict import calibration, scale_model
 
     if r.layout.ep <= 1:
         return [f"MoE comm    expert_parallel_degree 1: every expert on each rank, nothing crosses a link; the "
@@ -121,7 +122,7 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     if not gpu:
         return ["MoE comm    GPU not known here: set [cluster] gpu or pass --gpu for the scale model's predictions"]
     try:
-        cal = scale_calibration.calibrate()
+        cal = calibration.calibrate()
         w = scale_model.workload_from_recipe(r)
         cluster = scale_model.cluster_for(gpu, r.layout.nodes, r.layout.procs_per_node, cal)
         preds = scale_model.predict_all(w, cluster, cal)

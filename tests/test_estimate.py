@@ -1,4 +1,4 @@
-"""`moe_comm.estimate` against TorchTitan's own accounting, and `check` on the flagship recipe."""
+"""`moe_comm.predict.estimate` against TorchTitan's own accounting, and `check` on the flagship recipe."""
 
 import copy
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 from torchtitan.models.deepseek_v3 import deepseekv3_args, DeepSeekV3Model
 from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
-from moe_comm import estimate
+from moe_comm.predict import estimate
 from moe_comm.__main__ import main
 from moe_comm.titan import flavors
 

@@ -1,6 +1,6 @@
 """Closed-form estimates for a DeepSeek-V3 recipe: parameters, flops per token and per-GPU
-memory. Shared by `python -m moe_comm check` and the scale model (moe_comm.scale_model prices
-the dispatch/combine traffic, from moe_comm.routing_plan's row counts).
+memory. Shared by `python -m moe_comm check` and the scale model (moe_comm.predict.scale_model prices
+the dispatch/combine traffic, from moe_comm.predict.routing_plan's row counts).
 
 Parameters and flops follow TorchTitan's own accounting (`get_moe_model_nparams_and_flops`):
 flops/token = 6 x (active params - embedding) + 6 x layers x heads x (qk_nope + qk_rope + v) x seq,
@@ -126,7 +126,7 @@ def _act_bytes_per_token(a, moe_layer: bool) -> float:
 
 # The caching allocator keeps what it freed: torch's max_reserved exceeds the peak in use by
 # about this many bytes per parameter of the output projection (vocab x dim / tp). Fitted by
-# moe_comm.scale_validation.fit_allocator_cache over the 2xH200 memory figures of
+# moe_comm.predict.validation.fit_allocator_cache over the 2xH200 memory figures of
 # results/scale_model_validation.json (10 runs: the 671B-shaped layers bf16 and float8, 16B);
 # tests/test_scale_model.py fails if the fit moves away from it. Vocabulary-sized buffers
 # (logits in fp32 and bf16 and their gradients, the unsharded embedding and output and their
@@ -216,3 +216,36 @@ def memory_per_gpu(
         fsdp_working_set=fsdp_working_set, grad_reduce=grad_reduce, activations=activations,
         logits=logits, allocator_cache=cache,
     )
+
+
+# ---------------------------------------------------------- what the step model prices per token
+
+
+def matmul_flops_per_token(a) -> float:
+    """TorchTitan's parameter flops (6 x active params less the embedding)."""
+    p = count_params(a)
+    return 6 * (p.active - p.embedding)
+
+
+def expert_flops_per_token(a) -> float:
+    m = a.moe_args
+    return 6 * 3 * a.dim * a.moe_inter_dim * m.top_k * (a.n_layers - a.n_dense_layers)
+
+
+def attention_flops_per_token(a, seq_len: int) -> float:
+    """Causal attention flops executed: half of TorchTitan's 6 x layers x heads x head dims x seq."""
+    head_dims = a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim
+    return 0.5 * 6 * a.n_layers * a.n_heads * head_dims * seq_len
+
+
+def memory_bound_bytes_per_token(a) -> float:
+    """A proxy for the memory-bound kernels' traffic: the activation bytes a token leaves in
+    every layer without AC (above) plus the logits (fp32 + bf16)."""
+    per_layer = sum(_act_bytes_per_token(a, i >= a.n_dense_layers) for i in range(a.n_layers))
+    return per_layer + a.vocab_size * 6
+
+
+def optimizer_bytes(params: float) -> float:
+    """Fused AdamW reads param, grad, two moments and writes three (28 B/param); the grad-norm
+    clip reads the gradients once more (4 B/param)."""
+    return 32 * params

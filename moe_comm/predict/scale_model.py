@@ -3,13 +3,13 @@ moves over NVLink and over the network, how long that takes, and what step time 
 
 It is built from three kinds of numbers, each listed with its source in `Calibration.assumptions`
 (experiments/scale_model.py prints them in results/scale_model.md):
-  * rows and bytes, counted exactly from a drawn routing (moe_comm.routing_plan) for the
+  * rows and bytes, counted exactly from a drawn routing (moe_comm.predict.routing_plan) for the
     hierarchical path (per-node dedup on the network, per-rank dedup over NVLink; nvshmem and
     DeepEP V1) and for the all-to-all (one row per pick; nccl);
   * costs measured here on 2xH200 (results/h200x2): the kernels' per-op fixed cost and how it
     shrinks with the SM budget, their link efficiency, the layout kernels' HBM cost, the nccl
     path's per-call and per-row costs, GEMM and attention efficiency, the memory-bound rest of
-    a step and its idle share, fitted by moe_comm.scale_calibration from the JSON files at run
+    a step and its idle share, fitted by moe_comm.predict.calibration from the JSON files at run
     time;
   * link and peak rates read from datasheets and public measurements (NVLink, CX7 400 Gb/s,
     DeepEP V1's RDMA bandwidth, HBM, dense peaks).
@@ -23,66 +23,22 @@ dispatch and combine on the compute stream, so MoE communication is exposed; FSD
 collectives overlap compute except the first all-gather and the last reduce-scatter.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from moe_comm import estimate
 from moe_comm.metrics.peaks import low_precision_converters, table_peaks
-from moe_comm.routing_plan import PlanStats, routing_statistics
+from moe_comm.predict import estimate
+from moe_comm.predict.assumptions import READ, REPO
+from moe_comm.predict.calibration import Calibration
+from moe_comm.predict.estimate import (
+    attention_flops_per_token,
+    expert_flops_per_token,
+    matmul_flops_per_token,
+    memory_bound_bytes_per_token,
+    optimizer_bytes,
+)
+from moe_comm.predict.routing_plan import PlanStats, row_bytes, routing_statistics
 
-if TYPE_CHECKING:
-    from moe_comm.scale_calibration import Calibration
-
-REPO = Path(__file__).resolve().parents[1]
-VALIDATION = REPO / "results" / "scale_model_validation.json"
 BACKENDS = ("nccl", "deepep", "nvshmem", "nvshmem-fp8")
-
-
-@dataclass(frozen=True)
-class Assumption:
-    name: str
-    value: float
-    unit: str
-    source: str
-
-
-# Datasheet and public figures (read, not measured here).
-READ = {
-    "nvlink_gbps.H200": Assumption("NVLink per GPU, per direction, H200/H100", 450.0, "GB/s",
-                                   "NVIDIA H200 datasheet (NVLink 900 GB/s bidirectional)"),
-    "nvlink_gbps.B200": Assumption("NVLink per GPU, per direction, B200", 900.0, "GB/s",
-                                   "NVIDIA B200 datasheet (NVLink 5, 1.8 TB/s bidirectional); issue 12"),
-    "hbm_tbs.H200": Assumption("HBM bandwidth, H200", 4.8, "TB/s", "NVIDIA H200 datasheet"),
-    # DeepEP's own kernels have not been run into results/ yet (the two-GPU issue runs them in the
-    # benchmark itself); until then the model prices them from the field notes' record of
-    # DeepEP v1.2.1's tests/test_intranode.py on this project's 2xH200 machine.
-    "deepep_us.dispatch": Assumption("DeepEP v1.2.1 intranode BF16 dispatch, 2 ranks, 4096 tokens, hidden 7168, "
-                                     "top-8, 256 experts, 24 SMs", 353.0, "us",
-                                     "NOTES.md section 4 (DeepEP's test on the 2xH200 machine, 2026-11-30); not a "
-                                     "results/ figure"),
-    "deepep_us.combine": Assumption("DeepEP v1.2.1 intranode combine, same run", 393.0, "us",
-                                    "NOTES.md section 4, as above"),
-    "hbm_tbs.H100": Assumption("HBM bandwidth, H100 SXM", 3.35, "TB/s", "NVIDIA H100 datasheet"),
-    "hbm_tbs.B200": Assumption("HBM bandwidth, B200", 8.0, "TB/s", "NVIDIA B200 datasheet"),
-    "nic_gbps": Assumption("network per GPU (one CX7 400 Gb/s NIC per GPU)", 50.0, "GB/s",
-                           "issue 12 (8 x 400 Gb/s CX7 per Nebius B200 node)"),
-    "network_efficiency": Assumption("achieved share of the NIC line rate, every backend", 43.0 / 50.0, "",
-                                     "DeepEP V1 internode, 43 GB/s RDMA at EP16 on CX7 (NOTES §4); "
-                                     "no multi-node run here yet"),
-    "sm_push_gbps": Assumption("NVLink stores one 1024-thread SM sustains", 142.0 / 4, "GB/s",
-                               "NOTES §2: SM-driven stores to the peer, 4 SMs -> 142 GB/s (2xH200)"),
-    "nccl_nvlink_gbps_h200": Assumption("NCCL all_to_all_single, bytes crossing NVLink per GPU (H200)", 290.0,
-                                        "GB/s", "NOTES §2: 4096x8 rows x 7168 bf16, 0.81 ms on 2xH200"),
-    "deepep_permute_us_per_row": Assumption("TorchTitan's DeepEP path: _permute_tokens per expert row (H200)",
-                                            614.0 / 32740, "us", "NOTES §7: 614 us at 32,740 expert rows, one H200"),
-    "deepep_unpermute_us_per_row": Assumption("TorchTitan's DeepEP path: scores x + _unpermute_tokens per expert row",
-                                              1500.0 / 32740, "us", "NOTES §7: 1,500 us at 32,740 expert rows, one H200"),
-    "fsdp_prefetch_units": Assumption("FSDP units whose collectives are not hidden (first all-gather, last "
-                                      "reduce-scatter)", 1.0, "units", "TorchTitan FSDP2 prefetch (assumption)"),
-}
 
 
 @dataclass(frozen=True)
@@ -122,50 +78,6 @@ def cluster_for(gpu: str, nodes: int, gpus_per_node: int, cal: Calibration) -> C
     spec = gpu_spec(gpu)
     copy = cal.nvlink_copy_efficiency * spec.nvlink_gbps
     return Cluster(spec, nodes, gpus_per_node, copy, READ["nic_gbps"].value)
-
-
-def row_bytes(hidden: int, dtype: str = "bf16", metadata: bool = True) -> float:
-    """Bytes one row puts on a link: the hidden vector (bf16, or e4m3 plus one fp32 scale per
-    128 channels) and, for our kernels and DeepEP, the slot metadata (csrc/common/wire.h: a net
-    slot's NetMeta, 128 bytes, the larger of the two formats; NVLink deliveries carry 80)."""
-    from moe_comm.kernels.capacity import NET_META_BYTES
-
-    payload = hidden * 2 if dtype == "bf16" else hidden + hidden / 128 * 4
-    meta = NET_META_BYTES if metadata else 0
-    return payload + meta
-
-
-# ------------------------------------------------------------------------- compute terms
-
-
-def matmul_flops_per_token(a) -> float:
-    """TorchTitan's parameter flops (6 x active params less the embedding)."""
-    p = estimate.count_params(a)
-    return 6 * (p.active - p.embedding)
-
-
-def expert_flops_per_token(a) -> float:
-    m = a.moe_args
-    return 6 * 3 * a.dim * a.moe_inter_dim * m.top_k * (a.n_layers - a.n_dense_layers)
-
-
-def attention_flops_per_token(a, seq_len: int) -> float:
-    """Causal attention flops executed: half of TorchTitan's 6 x layers x heads x head dims x seq."""
-    head_dims = a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim
-    return 0.5 * 6 * a.n_layers * a.n_heads * head_dims * seq_len
-
-
-def memory_bound_bytes_per_token(a) -> float:
-    """A proxy for the memory-bound kernels' traffic: the activation bytes a token leaves in
-    every layer without AC (moe_comm.estimate) plus the logits (fp32 + bf16)."""
-    per_layer = sum(estimate._act_bytes_per_token(a, i >= a.n_dense_layers) for i in range(a.n_layers))
-    return per_layer + a.vocab_size * 6
-
-
-def optimizer_bytes(params: float) -> float:
-    """Fused AdamW reads param, grad, two moments and writes three (28 B/param); the grad-norm
-    clip reads the gradients once more (4 B/param)."""
-    return 32 * params
 
 
 # ----------------------------------------------------------------------------- workload
@@ -455,8 +367,8 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     linear_fp8 = any("linear" in c for c in low)
     f_expert = expert_flops_per_token(a)
     f_rest = matmul_flops_per_token(a) - f_expert
-    fp8_rate = gpu.fp8_tflops * 1e12 * cal.gemm_efficiency_of(gpu.name)
-    bf16_rate = gpu.bf16_tflops * 1e12 * cal.gemm_efficiency_of(gpu.name)
+    fp8_rate = gpu.fp8_tflops * 1e12 * cal.gemm_efficiency
+    bf16_rate = gpu.bf16_tflops * 1e12 * cal.gemm_efficiency
     gemm_s = T * stage * passes * (f_expert / (fp8_rate if expert_fp8 else bf16_rate)
                                    + f_rest / (fp8_rate if linear_fp8 else bf16_rate))
     attn_s = T * stage * passes * attention_flops_per_token(a, w.seq_len) / (
