@@ -22,7 +22,7 @@ attention kernel the flavor names (FlexAttention through TorchTitan's compiled
 `FlexAttentionWrapper`, block-causal mask) and SDPA beside it; the router
 (`TokenChoiceTopKRouter`); `TokenReorderer`; the shared expert and dense FFN (`FeedForward`);
 the routed experts' grouped GEMM (`_run_experts_grouped_mm`, the call ExpertParallel makes) over
-the rows one rank receives at EP 32, drawn by moe_comm.routing_plan (balanced, and node-limited:
+the rows one rank receives at EP 32, drawn by moe_comm.predict.routing_plan (balanced, and node-limited:
 the slowest rank), in bf16 and in float8 rowwise through TorchTitan's
 `quantize.grouped_mm.float8` converter (torchao), eager and compiled as TorchTitan's
 apply_compile compiles it; ExpertParallel's receive-side `_permute` / `_unpermute`; RMSNorm,
@@ -170,8 +170,8 @@ def with_changes(a, **changes):
 
 def received_rows(case: Case, a, routing: str) -> dict:
     """Rows the slowest rank receives at the case's EP under a routing statistic, per local
-    expert and per (source rank, local expert), from moe_comm.routing_plan's drawn routing."""
-    from moe_comm.routing_plan import draw_topk, plan
+    expert and per (source rank, local expert), from moe_comm.predict.routing_plan's drawn routing."""
+    from moe_comm.predict.routing_plan import draw_topk, plan
 
     m = a.moe_args
     L = m.num_experts // case.ep
@@ -781,7 +781,7 @@ def ceilings(device: torch.device, tiny: bool, clock: Clock, iters: int) -> dict
 
 def datasheet_peaks(device_name: str) -> dict:
     from moe_comm.metrics.peaks import table_peaks
-    from moe_comm.scale_model import READ
+    from moe_comm.predict.assumptions import READ
 
     peaks = table_peaks(device_name) or {}
     gpu = next((g for g in ("B200", "H200", "H100") if g in device_name), None)

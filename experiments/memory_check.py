@@ -13,7 +13,7 @@ a failure recorded with its log tail while the others go on). Measured: the maxi
 run's steps of TorchTitan's per-step peaks, memory/max_active(GiB) (the caching allocator's
 peak of active bytes: what torch.cuda.max_memory_allocated reports, plus blocks freed on the
 host whose stream work is still queued) and memory/max_reserved(GiB); TorchTitan resets the
-peaks at every logged step. Estimated: moe_comm.estimate.memory_per_gpu on the recipe with the
+peaks at every logged step. Estimated: moe_comm.predict.estimate.memory_per_gpu on the recipe with the
 same overrides, as `python -m moe_comm check` computes it. OUT/NAME.json holds both per run,
 the command, and the error (issue 24's target: within +-8% of the measured peak in use).
 The backend defaults to nccl: at EP 1 it is TorchTitan's own local path and needs no kernel
@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments import mfu_sweep  # noqa: E402
-from moe_comm import estimate, recipe  # noqa: E402
+from moe_comm import recipe  # noqa: E402
+from moe_comm.predict import estimate  # noqa: E402
 from moe_comm.metrics import keys  # noqa: E402
 
 DEFAULT_RECIPE = "recipes/deepseek_v3_671b_h200x1.toml"

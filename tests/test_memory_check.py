@@ -9,7 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from moe_comm import estimate, recipe
+from moe_comm import recipe
+from moe_comm.predict import estimate
 from moe_comm.metrics import keys
 
 REPO = Path(__file__).resolve().parents[1]
