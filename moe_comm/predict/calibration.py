@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from moe_comm.predict import estimate
+from moe_comm.predict import estimate, layer_compute
 from moe_comm.predict.assumptions import READ, REPO, Assumption
 from moe_comm.predict.estimate import (
     attention_flops_per_token,
@@ -66,6 +66,9 @@ class Calibration:
     attention_efficiency: float
     memory_bytes_factor: float  # memory-bound kernels' time = factor x activation bytes / HBM
     idle_ratio: float  # GPU idle / busy
+    # the measured layer parts (results/h200x1/layer_bench.json) that price compute once recorded;
+    # until then gemm_efficiency, attention_efficiency and memory_bytes_factor do
+    layer_bench: layer_compute.LayerBench | None = None
     assumptions: list = field(default_factory=list)
 
 
@@ -247,8 +250,11 @@ def calibrate(results: Path = RESULTS) -> Calibration:
     A.append(Assumption("B200 and H100 reach the H200's GEMM, attention, HBM and per-SM kernel efficiencies "
                         "(each of its own peak)", 1.0, "",
                         "assumption: no B200 was measured here; issue 24's one-GPU layer benchmark replaces it"))
+    bench = layer_compute.load() if layer_compute.BENCH.is_file() else None
+    if bench is not None:
+        A += layer_compute.assumptions(bench)
     cal = Calibration(
-        p2p_gbps=p2p, nvlink_copy_efficiency=copy_eff, kernel_floor_us=floor, ops=ops, deepep_ops=deepep_ops,
+        layer_bench=bench, p2p_gbps=p2p, nvlink_copy_efficiency=copy_eff, kernel_floor_us=floor, ops=ops, deepep_ops=deepep_ops,
         expand=layout["expand"], reduce=layout["reduce"], layout_hbm_efficiency=layout_eff,
         nccl_call_us=nccl_call, nccl_row_us=nccl_row, nccl_backward_row_us=nccl_bwd_row, gemm_efficiency=gemm_eff,
         attention_efficiency=attn_eff, memory_bytes_factor=mem_factor, idle_ratio=idle_ratio, assumptions=A,

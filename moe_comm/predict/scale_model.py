@@ -26,7 +26,7 @@ collectives overlap compute except the first all-gather and the last reduce-scat
 from dataclasses import dataclass
 
 from moe_comm.metrics.peaks import low_precision_converters, table_peaks
-from moe_comm.predict import estimate
+from moe_comm.predict import estimate, layer_compute
 from moe_comm.predict.assumptions import READ, REPO
 from moe_comm.predict.calibration import Calibration
 from moe_comm.predict.estimate import (
@@ -369,11 +369,15 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     f_rest = matmul_flops_per_token(a) - f_expert
     fp8_rate = gpu.fp8_tflops * 1e12 * cal.gemm_efficiency
     bf16_rate = gpu.bf16_tflops * 1e12 * cal.gemm_efficiency
-    gemm_s = T * stage * passes * (f_expert / (fp8_rate if expert_fp8 else bf16_rate)
-                                   + f_rest / (fp8_rate if linear_fp8 else bf16_rate))
-    attn_s = T * stage * passes * attention_flops_per_token(a, w.seq_len) / (
-        gpu.bf16_tflops * 1e12 * cal.attention_efficiency)
-    mem_s = T * stage * passes * cal.memory_bytes_factor * memory_bound_bytes_per_token(a) / (gpu.hbm_tbs * 1e12)
+    if cal.layer_bench is not None:  # the measured layer parts (moe_comm.predict.layer_compute)
+        c = layer_compute.microbatch_ms(cal.layer_bench, w, gpu.name)
+        gemm_s, attn_s, mem_s = (c.terms[k] / 1e3 for k in ("gemm", "attention", "memory-bound"))
+    else:  # efficiencies fitted to the 2xH200 training profiles (moe_comm.predict.calibration)
+        gemm_s = T * stage * passes * (f_expert / (fp8_rate if expert_fp8 else bf16_rate)
+                                       + f_rest / (fp8_rate if linear_fp8 else bf16_rate))
+        attn_s = T * stage * passes * attention_flops_per_token(a, w.seq_len) / (
+            gpu.bf16_tflops * 1e12 * cal.attention_efficiency)
+        mem_s = T * stage * passes * cal.memory_bytes_factor * memory_bound_bytes_per_token(a) / (gpu.hbm_tbs * 1e12)
     comm = layer_comm(backend, w, cluster, cal)
     moe_s = comm.time_us * 1e-6 * w.moe_layers_per_stage
     # TP (sequence parallel): all-gather + reduce-scatter around attention and the FFN, forward
