@@ -48,7 +48,6 @@ JSON after every part and stops starting compile-bearing parts past --budget-s.
 import argparse
 import datetime
 import json
-import math
 import os
 import shlex
 import statistics

@@ -127,8 +127,9 @@ def test_refusals(bench, tmp_path):
     w16 = replace(_workload(), args=scale_model.workload_from_spec(
         {"gpu": "H200", "nodes": 1, "gpus_per_node": 2, "workload": {
             "flavor": "16B", "ep": 2, "local_batch": 1, "seq_len": 4096, "ac_mode": "full", "routing": "random"}})[0].args)
-    with pytest.raises(ValueError, match="differs in"):
+    with pytest.raises(layer_compute.NotCovered, match="differs in"):
         layer_compute.microbatch_ms(bench, w16, "H200")
+    assert layer_compute.priced(bench, w16, "H200") is None  # the step model then uses the fitted terms
     gone = replace(bench, parts={k: v for k, v in bench.parts.items() if k != ("flagship", "dense_ffn")})
     with pytest.raises(ValueError, match="dense_ffn not measured.*--resume"):
         layer_compute.microbatch_ms(gone, _workload(), "H200")
@@ -152,8 +153,9 @@ def test_step_model_takes_its_compute_from_the_bench(bench):
     c = layer_compute.microbatch_ms(bench, w, "B200")
     for term in ("gemm", "attention", "memory-bound"):
         assert p.terms_ms[term] == pytest.approx(c.terms[term] * w.microbatches)
+    assert p.compute_source == "layer bench"
     fitted = scale_model.predict("nvshmem", w, cluster, replace(cal, layer_bench=None))
-    assert fitted.terms_ms["gemm"] != pytest.approx(p.terms_ms["gemm"])  # the fitted path is a different one
+    assert fitted.compute_source == "fitted" and fitted.terms_ms["gemm"] != pytest.approx(p.terms_ms["gemm"])
 
 
 def test_pricing_never_reads_the_anchors(bench, monkeypatch):

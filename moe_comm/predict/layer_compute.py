@@ -30,7 +30,7 @@ The stage holds an average share of the layers (n_layers / pp, the dense ones am
 """
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_comm.metrics.peaks import table_peaks
@@ -38,6 +38,12 @@ from moe_comm.predict.assumptions import READ, REPO, Assumption
 from moe_comm.predict.routing_plan import routing_statistics
 
 BENCH = REPO / "results" / "h200x1" / "layer_bench.json"
+
+
+class NotCovered(ValueError):
+    """The benchmark has no case for this workload's layer shapes or TP degree (the step model
+    then prices its compute from the fitted efficiencies, and says so)."""
+
 SCHEMA = "layer_bench/1"
 # The layer-shape fields a bench case must share with a workload's flavor for its parts to apply.
 SHAPE_FIELDS = ("dim", "inter_dim", "moe_inter_dim", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -141,13 +147,13 @@ def _causal_pairs(seq_len: int) -> float:
 def _choose_case(bench: LayerBench, args, tp: int, seq_len: int) -> str:
     same_tp = [n for n, c in bench.cases.items() if c["tp"] == tp]
     if not same_tp:
-        raise ValueError(f"layer bench {bench.path}: no case at TP {tp} (measured: "
+        raise NotCovered(f"layer bench {bench.path}: no case at TP {tp} (measured: "
                          f"{sorted({c['tp'] for c in bench.cases.values()})}); add one to experiments/layer_bench.py")
     name = min(same_tp, key=lambda n: abs(bench.cases[n]["seq_len"] - seq_len))
     ref = _flavor_case_args(bench.cases[name])
     differ = [f for f in SHAPE_FIELDS if getattr(ref, f) != getattr(args, f)]
     if differ or ref.moe_args.top_k != args.moe_args.top_k:
-        raise ValueError(f"layer bench case {name!r} measured {bench.cases[name]['flavor']}'s layer shapes; this "
+        raise NotCovered(f"layer bench case {name!r} measured {bench.cases[name]['flavor']}'s layer shapes; this "
                          f"flavor differs in {differ or ['top_k']}: the benchmark does not price it")
     return name
 
@@ -158,7 +164,7 @@ def microbatch_ms(bench: LayerBench, w, gpu: str) -> ComputeMs:
     on `gpu`, from the measured parts."""
     a, lay = w.args, w.layout
     if lay.cp > 1:
-        raise ValueError("context parallel: the layer benchmark has no CP case (FlexAttention has no CP in TorchTitan)")
+        raise NotCovered("context parallel: the layer benchmark has no CP case (FlexAttention has no CP in TorchTitan)")
     out = ComputeMs()
     name = _choose_case(bench, a, lay.tp, w.seq_len)
     case = bench.cases[name]
@@ -240,6 +246,16 @@ def microbatch_ms(bench: LayerBench, w, gpu: str) -> ComputeMs:
     return out
 
 
+def priced(bench: LayerBench | None, w, gpu: str) -> ComputeMs | None:
+    """microbatch_ms where a recorded benchmark covers the workload, else None."""
+    if bench is None:
+        return None
+    try:
+        return microbatch_ms(bench, w, gpu)
+    except NotCovered:
+        return None
+
+
 def assumptions(bench: LayerBench) -> list[Assumption]:
     """The rules above as listed assumptions, with the file their figures come from."""
     rel = bench.path.relative_to(REPO) if bench.path.is_relative_to(REPO) else bench.path
@@ -252,7 +268,7 @@ def assumptions(bench: LayerBench) -> list[Assumption]:
                    "GEMMs and attention, HBM TB/s for memory-bound parts)", 1.0, "",
                    f"assumption: {here.gpu} times scaled by datasheet ratios (moe_comm/metrics/peaks.py, "
                    "moe_comm/predict/assumptions.py); no B200 was measured here"),
-        replace(MXFP8_ASSUMPTION),
+        MXFP8_ASSUMPTION,
         Assumption("float8 rowwise linears: bf16 time x measured bf16 / fp8 rowwise GEMM ceilings",
                    bench.ceilings["bf16_gemm"]["tflops"] / bench.ceilings["fp8_rowwise_gemm"]["tflops"], "x",
                    f"{rel} peaks.measured (torch.mm and torch._scaled_mm, 8192^3, same run)"),

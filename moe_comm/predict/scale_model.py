@@ -322,6 +322,7 @@ class StepPrediction:
     tokens_per_s_per_gpu: float
     mfu: float  # % of the bf16 dense peak, TorchTitan's flops per token
     moe_calls_per_step: float  # MoE layer-microbatches on this rank per step
+    compute_source: str = "fitted"  # "layer bench" where results/h200x1/layer_bench.json priced compute
 
     @property
     def comm_exposed_ms(self) -> float:
@@ -369,10 +370,12 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     f_rest = matmul_flops_per_token(a) - f_expert
     fp8_rate = gpu.fp8_tflops * 1e12 * cal.gemm_efficiency
     bf16_rate = gpu.bf16_tflops * 1e12 * cal.gemm_efficiency
-    if cal.layer_bench is not None:  # the measured layer parts (moe_comm.predict.layer_compute)
-        c = layer_compute.microbatch_ms(cal.layer_bench, w, gpu.name)
-        gemm_s, attn_s, mem_s = (c.terms[k] / 1e3 for k in ("gemm", "attention", "memory-bound"))
+    measured = layer_compute.priced(cal.layer_bench, w, gpu.name)  # the one-GPU layer parts, where they cover w
+    if measured is not None:
+        gemm_s, attn_s, mem_s = (measured.terms[k] / 1e3 for k in ("gemm", "attention", "memory-bound"))
+        compute_source = "layer bench"
     else:  # efficiencies fitted to the 2xH200 training profiles (moe_comm.predict.calibration)
+        compute_source = "fitted"
         gemm_s = T * stage * passes * (f_expert / (fp8_rate if expert_fp8 else bf16_rate)
                                        + f_rest / (fp8_rate if linear_fp8 else bf16_rate))
         attn_s = T * stage * passes * attention_flops_per_token(a, w.seq_len) / (
@@ -420,6 +423,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     return StepPrediction(
         backend=backend, comm=comm, terms_ms=terms, overlapped_ms={"fsdp": fsdp_total_ms - fsdp_exposed_ms},
         step_ms=step_ms, tokens_per_s_per_gpu=tps, mfu=mfu, moe_calls_per_step=w.moe_layers_per_stage * mb,
+        compute_source=compute_source,
     )
 
 
