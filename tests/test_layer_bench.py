@@ -135,3 +135,30 @@ def test_causal_flops_closed_form():
     assert lb.attention_core_flops(a, case) == 2 * 128 * (4096 * 4097 / 2) * 320
     tp2 = lb.Case("x", "", "671B", 8192, 1, 2, 32, "balanced")
     assert lb.attention_core_flops(a, tp2, 512) == 2 * 64 * 16 * (512 * 513 / 2) * 320
+
+
+def test_the_scale_model_reads_what_the_bench_writes(bench, tmp_path, monkeypatch):
+    """The JSON this script writes is the one moe_comm.predict.layer_compute reads: the tiny run,
+    relabelled as a GPU run of a registered flavor, prices its own shape from its own parts."""
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    from moe_comm.predict import estimate, layer_compute
+    from moe_comm.predict.scale_model import Workload
+
+    _, doc = bench
+    doc = json.loads(json.dumps(doc))
+    doc["settings"]["tiny"], doc["machine"]["device"] = False, "NVIDIA H200"
+    path = tmp_path / "layer_bench.json"
+    path.write_text(json.dumps(doc))
+    flagship = lb.cases(tiny=True)[0]
+    tiny = lb.flavor_args(flagship)
+    monkeypatch.setitem(deepseekv3_args, "tiny", tiny)
+    layout = estimate.Layout(4, 1, 4, 1, 4, 1, 1, 1, flagship.ep, 1)
+    w = Workload("tiny", tiny, layout, 1, flagship.seq_len, 1, "full", (), "node_limited", 20)
+    c = layer_compute.microbatch_ms(layer_compute.load(path), w, "H200")
+    part = {p["name"]: p for p in doc["parts"] if p["case"] == "flagship"}
+    core = part["attention.core.sdpa"]
+    per_layer = core["ms"]["fwd"]["median"] + core["ms"]["bwd"]["median"] + max(core["ms"]["recompute"], 0.0)
+    assert c.terms["attention"] == pytest.approx(tiny.n_layers * per_layer)
+    assert any("SDPA's time stands in" in n for n in c.notes)  # no FlexAttention on a CPU
+    assert set(c.parts) == set(layer_compute.PARTS)
