@@ -131,7 +131,8 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
 def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     """Per backend: the hierarchy, rows and bytes per phase per step, comm time, step, TFLOPS
     and MFU from moe_comm.predict.scale_model on this recipe's cluster, the pipeline as the
-    schedule model sees it, and the backend it expects to win."""
+    schedule model sees it, the backend it expects to win, and the plan's best layout for the
+    recipe's backend when it is predicted more than 10% faster."""
     from moe_comm.predict import calibration, scale_model
 
     if r.layout.ep <= 1:
@@ -189,12 +190,36 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
         f"{preds[best].tokens_per_s_per_gpu / preds['nccl'].tokens_per_s_per_gpu:.2f}x nccl)"
         + ("" if best == ours else f"; this recipe runs {ours}")
     )
+    lines += _plan_lines(r, gpu, preds[ours], ours, cal)
     return lines
 
 
 def _model_backend(r: recipe.Recipe) -> str:
     mc = r.config.moe_comm
     return mc.backend + ("-fp8" if mc.backend == "nvshmem" and mc.dispatch_dtype == "fp8" else "")
+
+
+PLAN_MARGIN = 1.10  # name the plan's best layout when it is predicted this much faster
+
+
+def _plan_lines(r: recipe.Recipe, gpu: str, ours_pred, ours: str, cal) -> list[str]:
+    """The plan's best layout for this recipe's backend, cluster and EP degree, when it is
+    predicted more than 10% faster than the recipe."""
+    from moe_comm import plan as plan_verb
+    from moe_comm.predict import plan as planner
+
+    try:
+        req = plan_verb.request(r, gpu=gpu, backends=[ours], keep=[f"ep={r.layout.ep}"])
+        rows = planner.plan(req, cal, top=1)[ours]
+    except planner.PlanError as e:
+        return [f"plan        no layout to compare ({e})"]
+    if not rows or rows[0].tokens_per_s_per_gpu <= PLAN_MARGIN * ours_pred.tokens_per_s_per_gpu:
+        return []
+    row = rows[0]
+    gain = row.tokens_per_s_per_gpu / ours_pred.tokens_per_s_per_gpu - 1
+    return [f"plan        predicted {gain:.0%} faster on this cluster with {ours}, EP {r.layout.ep} kept: "
+            f"{row.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {row.memory_gib:.0f} GiB ({plan_verb.describe(row)}): "
+            f"{' '.join(row.overrides)}  (python -m moe_comm plan {r.path} for the table)"]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -8,4 +8,5 @@ The modules, bottom to top (each imports only modules listed before it):
   calibration   the measured constants, fitted from the result files in results/
   scale_model   the step model: MoE transfers per backend, the step's terms, tokens/s and MFU
   validation    the model against every measured figure (results/scale_model_validation.json)
+  plan          the layouts a recipe could run on a cluster, ranked per backend (`python -m moe_comm plan`)
 """
