@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm.predict import calibration, layer_compute, scale_model
+from moe_comm.predict import calibration, estimate, layer_compute, scale_model
 from moe_comm.predict.assumptions import VALIDATION
 from moe_comm.predict.calibration import Calibration, OpCost
 from moe_comm.predict.routing_plan import routing_statistics
@@ -65,74 +65,99 @@ def _f(name):  # fwd + bwd of a part at the flagship case
     return TIMES[name][0] + TIMES[name][1]
 
 
+# a rank of the flagship's first stage: layers 0-7 (3 dense, 5 MoE) and the embedding
+FIRST = dict(layers=tuple(range(8)), embedding=True, output=False)
+
+
+def _rank(bench, w, gpu="H200", layers=FIRST["layers"], embedding=True, output=False):
+    return layer_compute.rank_ms(bench, w, gpu, layers, embedding, output)
+
+
 def test_at_the_measured_shape_the_parts_add_up(bench):
-    c = layer_compute.microbatch_ms(bench, _workload(), "H200")
-    n, moe, dense = 61 / 8, 58 / 8, 3 / 8  # layers per stage of 8: average share
+    c = _rank(bench, _workload())
+    n, moe, dense = 8, 5, 3
     proj = _f("attention.module.flex") - _f("attention.core.flex")  # the module less its kernel
     assert c.parts["attention.projections"] == pytest.approx(n * proj)
-    assert c.terms["attention"] == pytest.approx(n * _f("attention.core.flex"))
-    assert c.terms["memory-bound"] == pytest.approx(2 * n * (_f("rmsnorm") + _f("residual_add")) + moe * _f("router")
-                                                    + _f("embedding") / 8)
-    assert c.terms["gemm"] == pytest.approx(n * proj + moe * (_f("shared_expert") + _f("experts.bf16.node_limited"))
-                                            + dense * _f("dense_ffn") + _f("output_loss") / 8)
+    core = TIMES["attention.core.flex"]
+    assert c.terms["attention"] == pytest.approx([n * core[0], n * core[1], 0.0])  # its backward is all bi
+    assert sum(c.terms["memory-bound"]) == pytest.approx(2 * n * (_f("rmsnorm") + _f("residual_add"))
+                                                         + moe * _f("router") + _f("embedding"))
+    gemm_fwd = (n * (TIMES["attention.module.flex"][0] - core[0]) + moe * (TIMES["shared_expert"][0]
+                + TIMES["experts.bf16.node_limited"][0]) + dense * TIMES["dense_ffn"][0])
+    f, bi, bw = c.terms["gemm"]
+    assert f == pytest.approx(gemm_fwd)
+    assert bi == pytest.approx(bw) and f + bi + bw == pytest.approx(
+        n * proj + moe * (_f("shared_expert") + _f("experts.bf16.node_limited")) + dense * _f("dense_ffn"))
+    assert "output_loss" not in c.parts  # the last stage's
+    last = _rank(bench, _workload(), layers=tuple(range(53, 61)), embedding=False, output=True)
+    assert last.parts["output_loss"] == pytest.approx(_f("output_loss")) and "dense_ffn" not in last.parts
+    assert c.moe_layer_fwd == {"shared_expert": TIMES["shared_expert"][0],
+                               "experts": TIMES["experts.bf16.node_limited"][0]}
 
 
 def test_other_gpus_scale_by_datasheet_peaks(bench):
-    h = layer_compute.microbatch_ms(bench, _workload(converters=("quantize.grouped_mm.float8",)), "H200")
-    b = layer_compute.microbatch_ms(bench, _workload(converters=("quantize.grouped_mm.mx",)), "B200")
+    h = _rank(bench, _workload(converters=("quantize.grouped_mm.float8",)))
+    b = _rank(bench, _workload(converters=("quantize.grouped_mm.mx",)), "B200")
     assert b.parts["rmsnorm"] == pytest.approx(h.parts["rmsnorm"] * 4.8 / 8.0)  # HBM
     assert b.parts["attention.core"] == pytest.approx(h.parts["attention.core"] * 989 / 2250)  # bf16 dense
     assert b.parts["experts"] == pytest.approx(h.parts["experts"] * 1979 / 4500)  # MXFP8 at the FP8 rate
     # float8 experts: the compiled part, as the float8 recipes run them
-    assert h.parts["experts"] == pytest.approx(58 / 8 * _f("experts.fp8.compiled.node_limited"))
+    assert h.parts["experts"] == pytest.approx(5 * _f("experts.fp8.compiled.node_limited"))
     assert any("MXFP8" in n for n in b.notes)
+    fp8_linear = _rank(bench, _workload(converters=("quantize.linear.float8",)))
+    bf16 = _rank(bench, _workload())
+    assert fp8_linear.parts["shared_expert"] == pytest.approx(bf16.parts["shared_expert"] * 700 / 1100)
 
 
 def test_activation_checkpointing_rules(bench):
-    none = layer_compute.microbatch_ms(bench, _workload(), "H200")
-    full = layer_compute.microbatch_ms(bench, _workload(ac="full"), "H200")
-    sel = layer_compute.microbatch_ms(bench, _workload(ac="selective"), "H200")
-    n = 61 / 8
-    assert full.parts["rmsnorm"] - none.parts["rmsnorm"] == pytest.approx(2 * n * TIMES["rmsnorm"][2])
-    assert full.parts["output_loss"] == none.parts["output_loss"]  # outside the checkpointed blocks
+    none = _rank(bench, _workload())
+    full = _rank(bench, _workload(ac="full"))
+    sel = _rank(bench, _workload(ac="selective"))
+    last_none = _rank(bench, _workload(), layers=(60,), embedding=False, output=True)
+    last_full = _rank(bench, _workload(ac="full"), layers=(60,), embedding=False, output=True)
+    assert full.parts["rmsnorm"] - none.parts["rmsnorm"] == pytest.approx(2 * 8 * TIMES["rmsnorm"][2])
+    assert full.recompute["memory-bound"] > 0 and none.recompute["memory-bound"] == 0
+    assert last_full.parts["output_loss"] == last_none.parts["output_loss"]  # outside the checkpointed blocks
+    # the recompute runs before the input gradient: in bi
+    assert full.terms["attention"][1] - none.terms["attention"][1] == pytest.approx(8 * TIMES["attention.core.flex"][2])
     # op SAC: memory-bound ops and grouped GEMMs re-run, half the linear mm forward, attention saved
-    assert sel.parts["rmsnorm"] - none.parts["rmsnorm"] == pytest.approx(2 * n * TIMES["rmsnorm"][0])
-    assert sel.parts["experts"] - none.parts["experts"] == pytest.approx(58 / 8 * TIMES["experts.bf16.node_limited"][0])
-    assert sel.parts["shared_expert"] - none.parts["shared_expert"] == pytest.approx(
-        0.5 * 58 / 8 * TIMES["shared_expert"][0])
+    assert sel.parts["rmsnorm"] - none.parts["rmsnorm"] == pytest.approx(2 * 8 * TIMES["rmsnorm"][0])
+    assert sel.parts["experts"] - none.parts["experts"] == pytest.approx(5 * TIMES["experts.bf16.node_limited"][0])
+    assert sel.parts["shared_expert"] - none.parts["shared_expert"] == pytest.approx(0.5 * 5 * TIMES["shared_expert"][0])
     assert sel.parts["attention.core"] == none.parts["attention.core"]
 
 
 def test_other_shapes_scale_by_their_work(bench):
-    one = layer_compute.microbatch_ms(bench, _workload(), "H200")
-    two = layer_compute.microbatch_ms(bench, _workload(microbatch=2), "H200")
-    for part in ("rmsnorm", "attention.core", "shared_expert", "output_loss"):
+    one = _rank(bench, _workload())
+    two = _rank(bench, _workload(microbatch=2))
+    for part in ("rmsnorm", "attention.core", "shared_expert", "embedding"):
         assert two.parts[part] == pytest.approx(2 * one.parts[part])  # two sequences: twice the work
     assert two.parts["experts"] == pytest.approx(2 * one.parts["experts"], rel=0.02)  # rows of 8192 tokens
-    long = layer_compute.microbatch_ms(bench, _workload(seq=8192), "H200")  # TP 1: the flagship case
+    long = _rank(bench, _workload(seq=8192))  # TP 1: the flagship case
     pairs = 8192 * 8193 / (4096 * 4097)
     assert long.parts["attention.core"] == pytest.approx(pairs * one.parts["attention.core"])
     assert long.parts["rmsnorm"] == pytest.approx(2 * one.parts["rmsnorm"])
-    tp2 = layer_compute.microbatch_ms(bench, _workload(tp=2, pp=2, seq=8192, routing="balanced"), "H200")
+    tp2 = _rank(bench, _workload(tp=2, pp=2, seq=8192, routing="balanced"), layers=tuple(range(31)))
     # the TP 2 case at its own shape: its parts (3x the flagship's here), balanced experts
-    assert tp2.parts["router"] == pytest.approx(58 / 2 * 3 * _f("router"))
-    assert tp2.parts["experts"] == pytest.approx(58 / 2 * 3 * _f("experts.bf16.balanced"))
+    assert tp2.parts["router"] == pytest.approx(28 * 3 * _f("router"))
+    assert tp2.parts["experts"] == pytest.approx(28 * 3 * _f("experts.bf16.balanced"))
 
 
 def test_refusals(bench, tmp_path):
-    with pytest.raises(ValueError, match="no case at TP 4"):
-        layer_compute.microbatch_ms(bench, _workload(tp=4), "H200")
+    with pytest.raises(layer_compute.NotCovered, match="no case at TP 4"):
+        _rank(bench, _workload(tp=4))
     with pytest.raises(ValueError, match="need a B200"):
-        layer_compute.microbatch_ms(bench, _workload(converters=("quantize.grouped_mm.mx",)), "H200")
+        _rank(bench, _workload(converters=("quantize.grouped_mm.mx",)))
     w16 = replace(_workload(), args=scale_model.workload_from_spec(
         {"gpu": "H200", "nodes": 1, "gpus_per_node": 2, "workload": {
             "flavor": "16B", "ep": 2, "local_batch": 1, "seq_len": 4096, "ac_mode": "full", "routing": "random"}})[0].args)
     with pytest.raises(layer_compute.NotCovered, match="differs in"):
-        layer_compute.microbatch_ms(bench, w16, "H200")
-    assert layer_compute.priced(bench, w16, "H200") is None  # the step model then uses the fitted terms
+        _rank(bench, w16)
+    rank = estimate.pipeline_ranks(w16.args, w16.layout, 8, 1, "1F1B")[0]
+    assert layer_compute.priced(bench, w16, "H200", rank) is None  # the step model then uses the fitted terms
     gone = replace(bench, parts={k: v for k, v in bench.parts.items() if k != ("flagship", "dense_ffn")})
     with pytest.raises(ValueError, match="dense_ffn not measured.*--resume"):
-        layer_compute.microbatch_ms(gone, _workload(), "H200")
+        _rank(gone, _workload())
     tiny = tmp_path / "tiny.json"
     tiny.write_text(json.dumps({"schema": layer_compute.SCHEMA, "settings": {"tiny": True}}))
     with pytest.raises(ValueError, match="--tiny smoke run"):
@@ -147,12 +172,13 @@ def test_step_model_takes_its_compute_from_the_bench(bench):
         expand=(0.001, 0.002), reduce=(0.003, 0.004), layout_hbm_efficiency=0.5,
         nccl_call_us=1000.0, nccl_row_us=0.02, nccl_backward_row_us=0.04,
         gemm_efficiency=0.5, attention_efficiency=0.25, memory_bytes_factor=2.0, idle_ratio=0.1, layer_bench=bench)
-    w = _workload(ac="full")
+    w = _workload(pp=1, ac="full")  # one pipeline rank: every layer, the embedding and the output
     cluster = scale_model.cluster_for("B200", 32, 8, cal)
     p = scale_model.predict("nvshmem", w, cluster, cal)
-    c = layer_compute.microbatch_ms(bench, w, "B200")
+    c = _rank(bench, w, "B200", layers=tuple(range(61)), embedding=True, output=True)
     for term in ("gemm", "attention", "memory-bound"):
-        assert p.terms_ms[term] == pytest.approx(c.terms[term] * w.microbatches)
+        assert p.terms_ms[term] == pytest.approx(sum(c.terms[term]))
+        assert p.recompute_ms[term] == pytest.approx(c.recompute[term])
     assert p.compute_source == "layer bench"
     fitted = scale_model.predict("nvshmem", w, cluster, replace(cal, layer_bench=None))
     assert fitted.compute_source == "fitted" and fitted.terms_ms["gemm"] != pytest.approx(p.terms_ms["gemm"])
@@ -169,7 +195,7 @@ def test_pricing_never_reads_the_anchors(bench, monkeypatch):
 
     monkeypatch.setattr(Path, "read_text", guarded)
     again = layer_compute.load(bench.path)
-    c = layer_compute.microbatch_ms(again, _workload(tp=2, pp=2, seq=8192, ac="full", routing="balanced"), "B200")
+    c = _rank(again, _workload(tp=2, pp=2, seq=8192, ac="full", routing="balanced"), "B200", layers=tuple(range(31)))
     assert c.total > 0
     names = " ".join(a.name + a.source for a in layer_compute.assumptions(again)).lower()
     assert "nebius" not in names and "anchor" not in names and "fitted" not in names

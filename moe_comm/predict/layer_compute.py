@@ -25,8 +25,8 @@ How a measured part becomes a predicted time (each rule is listed in `assumption
     deepseek_v3's _op_sac_save_list, which has no grouped mm): it re-runs the grouped GEMMs
     and the memory-bound ops, and half the linear GEMMs' forward. The embedding and the output
     projection + loss sit outside the checkpointed blocks.
-The stage holds an average share of the layers (n_layers / pp, the dense ones among them) and
-1 / pp of the embedding and output work, as the step model's other terms do.
+A pipeline rank is priced for the layers it holds (moe_comm.predict.estimate.pipeline_ranks),
+with the embedding on the first stage and the output projection + loss on the last.
 """
 
 import json
@@ -61,6 +61,7 @@ PARTS = {
     "experts": ("gemm", "rows"),
     "output_loss": ("gemm", "tokens"),
 }
+TERMS = ("gemm", "attention", "memory-bound")
 LINEAR_GEMMS = ("attention.projections", "shared_expert", "dense_ffn")
 OUTSIDE_BLOCKS = ("embedding", "output_loss")
 MXFP8_ASSUMPTION = Assumption(
@@ -115,16 +116,25 @@ def load(path: Path | None = None) -> LayerBench:
 
 
 @dataclass
-class ComputeMs:
-    """One microbatch's compute on one rank, ms, by step-model term and by part."""
+class RankCompute:
+    """One microbatch's compute on one pipeline rank, ms: per step-model term its forward f, input
+    gradient bi (with the AC recompute) and weight gradient bw - a GEMM part's backward splits
+    evenly into the two (dgrad and wgrad have the same flops), the attention kernel's and the
+    memory-bound parts' is all bi - the recompute alone, each part's total, and one MoE layer's
+    shared-expert and routed-expert forward (the compute overlapped communication hides behind)."""
 
-    terms: dict = field(default_factory=lambda: {"gemm": 0.0, "attention": 0.0, "memory-bound": 0.0})
+    terms: dict = field(default_factory=lambda: {t: [0.0, 0.0, 0.0] for t in TERMS})
+    recompute: dict = field(default_factory=lambda: dict.fromkeys(TERMS, 0.0))
     parts: dict = field(default_factory=dict)
+    moe_layer_fwd: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
 
     @property
     def total(self) -> float:
-        return sum(self.terms.values())
+        return sum(sum(v) for v in self.terms.values())
+
+    def seconds(self) -> dict:
+        return {t: tuple(x / 1e3 for x in v) for t, v in self.terms.items()}
 
 
 def _ms(p: dict, phase: str) -> float:
@@ -158,14 +168,14 @@ def _choose_case(bench: LayerBench, args, tp: int, seq_len: int) -> str:
     return name
 
 
-def microbatch_ms(bench: LayerBench, w, gpu: str) -> ComputeMs:
-    """Compute of one microbatch on one rank of workload `w` (moe_comm.predict.scale_model.Workload:
-    args, layout, seq_len, microbatch / local_batch, ac_mode, converters, routing, ranks_per_node)
-    on `gpu`, from the measured parts."""
+def rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: bool) -> RankCompute:
+    """Compute of one microbatch on the pipeline rank holding `layers` (and the embedding or the
+    output projection + loss) of workload `w` (moe_comm.predict.scale_model.Workload: args, layout,
+    seq_len, microbatch / local_batch, ac_mode, converters, routing, ranks_per_node) on `gpu`."""
     a, lay = w.args, w.layout
     if lay.cp > 1:
         raise NotCovered("context parallel: the layer benchmark has no CP case (FlexAttention has no CP in TorchTitan)")
-    out = ComputeMs()
+    out = RankCompute()
     name = _choose_case(bench, a, lay.tp, w.seq_len)
     case = bench.cases[name]
     here, there = peaks(bench.device), peaks(gpu)
@@ -210,14 +220,13 @@ def microbatch_ms(bench: LayerBench, w, gpu: str) -> ComputeMs:
             return None
         return bench.part(name, part)
 
-    n_moe = (a.n_layers - a.n_dense_layers) / lay.pp
-    n_dense = a.n_dense_layers / lay.pp
-    count = {"rmsnorm": 2 * a.n_layers / lay.pp, "residual_add": 2 * a.n_layers / lay.pp,
-             "attention.projections": a.n_layers / lay.pp, "attention.core": a.n_layers / lay.pp,
-             "router": n_moe, "shared_expert": n_moe, "experts": n_moe, "dense_ffn": n_dense,
-             "embedding": 1 / lay.pp, "output_loss": 1 / lay.pp}
+    n = len(layers)
+    n_moe = sum(1 for i in layers if i >= a.n_dense_layers)
+    count = {"rmsnorm": 2 * n, "residual_add": 2 * n, "attention.projections": n, "attention.core": n,
+             "router": n_moe, "shared_expert": n_moe, "experts": n_moe, "dense_ffn": n - n_moe,
+             "embedding": int(embedding), "output_loss": int(output)}
     for part, (term, per) in PARTS.items():
-        if not count[part]:
+        if not count[part] and part not in ("shared_expert", "experts"):
             continue
         p = measured(part)
         if p is None:
@@ -230,28 +239,36 @@ def microbatch_ms(bench: LayerBench, w, gpu: str) -> ComputeMs:
             rec = 0.5 * fwd if part in LINEAR_GEMMS else (0.0 if part == "attention.core" else fwd)
         else:
             rec = max(rec, 0.0)
-        t = (fwd + bwd + rec) * work[per]
+        scale = work[per]
         if term == "memory-bound":
-            t *= here.hbm_tbs / there.hbm_tbs
+            scale *= here.hbm_tbs / there.hbm_tbs
         elif part == "experts" and expert_dtype == "fp8":
-            t *= here.fp8_tflops / there.fp8_tflops
+            scale *= here.fp8_tflops / there.fp8_tflops
         else:
-            t *= here.bf16_tflops / there.bf16_tflops
+            scale *= here.bf16_tflops / there.bf16_tflops
             if linear_fp8 and part in LINEAR_GEMMS:  # the converter leaves the output projection bf16
-                t *= bench.ceilings["bf16_gemm"]["tflops"] / bench.ceilings["fp8_rowwise_gemm"]["tflops"]
-        out.parts[part] = t * count[part]
-        out.terms[term] += t * count[part]
+                scale *= bench.ceilings["bf16_gemm"]["tflops"] / bench.ceilings["fp8_rowwise_gemm"]["tflops"]
+        fwd, bwd, rec = fwd * scale, bwd * scale, rec * scale
+        if part in ("shared_expert", "experts"):
+            out.moe_layer_fwd[part] = fwd
+        k = count[part]
+        split = (fwd, bwd / 2 + rec, bwd / 2) if term == "gemm" else (fwd, bwd + rec, 0.0)
+        for i, x in enumerate(split):
+            out.terms[term][i] += k * x
+        out.recompute[term] += k * rec
+        out.parts[part] = k * (fwd + bwd + rec)
     if mx:
         out.notes.append(MXFP8_ASSUMPTION.name)
     return out
 
 
-def priced(bench: LayerBench | None, w, gpu: str) -> ComputeMs | None:
-    """microbatch_ms where a recorded benchmark covers the workload, else None."""
+def priced(bench: LayerBench | None, w, gpu: str, rank) -> RankCompute | None:
+    """rank_ms for a pipeline rank (moe_comm.predict.estimate.PipelineRank) where a recorded
+    benchmark covers the workload, else None."""
     if bench is None:
         return None
     try:
-        return microbatch_ms(bench, w, gpu)
+        return rank_ms(bench, w, gpu, rank.layers, rank.embedding, rank.output)
     except NotCovered:
         return None
 
