@@ -63,9 +63,11 @@ def estimated(recipe_path: str, mode: str, batch: int, gpu: str) -> dict:
     r = recipe.load(recipe_path, config_overrides(mode) + ["--training.local_batch_size", str(batch)],
                     device="cuda", gpu=gpu, check_paths=False)
     c = r.config
+    p = c.parallelism
     mem = estimate.memory_per_gpu(recipe.flavor_args(c), r.layout, c.training.local_batch_size, c.training.seq_len,
-                                  c.activation_checkpoint.mode,
-                                  microbatch=c.parallelism.pipeline_parallel_microbatch_size)
+                                  c.activation_checkpoint.mode, microbatch=p.pipeline_parallel_microbatch_size,
+                                  pp_schedule=p.pipeline_parallel_schedule,
+                                  layers_per_stage=p.pipeline_parallel_layers_per_stage)
     G = estimate.GiB
     terms = {k: v / G for k, v in asdict(mem).items()}
     return {"in_use_gib": mem.total / G, "reserved_gib": mem.reserved / G, "peak_at": mem.peak_at,
