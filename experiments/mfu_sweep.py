@@ -61,7 +61,10 @@ class RunSpec:
     seq_len: int | None = None
     instrumented: bool = True
     dispatch_dtype: str | None = None  # None: the recipe's own [moe_comm] dispatch_dtype
-    tag: str = ""  # tells apart runs that are otherwise the same (a repeat)
+    overrides: list[str] = field(default_factory=list)  # this run's own TorchTitan overrides
+    # tells apart runs that are otherwise the same: what the overrides change (e.g. "acfull"),
+    # or a repeat
+    tag: str = ""
 
     @property
     def name(self) -> str:
@@ -128,7 +131,7 @@ def train_command(args: argparse.Namespace, spec: RunSpec, dump_folder: Path) ->
         cmd += ["--moe_comm.dispatch_dtype", spec.dispatch_dtype]
     # offline W&B runs where wandb is importable (it is not in the GPU image unless carried)
     cmd += ["--metrics.enable_wandb" if args.wandb else "--metrics.no-enable-wandb"]
-    return cmd + list(args.overrides)
+    return cmd + list(spec.overrides) + list(args.overrides)
 
 
 def _failure_kind(log_text: str, returncode: int) -> str:

@@ -5,7 +5,7 @@ results/scale_model_validation.json.
     python experiments/scale_model.py            # writes results/scale_model.{md,json,png}
 
 Runs on a CPU in about a minute: it reads the 2xH200 result files, fits the model's measured
-constants (moe_comm.scale_calibration), draws routings and prices them.
+constants (moe_comm.predict.calibration), draws routings and prices them.
 """
 
 import argparse
@@ -19,7 +19,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from moe_comm import estimate, recipe, scale_calibration, scale_model, scale_validation  # noqa: E402
+from moe_comm import recipe  # noqa: E402
+from moe_comm.predict import calibration, estimate, scale_model  # noqa: E402
+from moe_comm.predict import validation  # noqa: E402
 
 FLAGSHIP = "recipes/deepseek_v3_671b_b200.toml"
 # EP 8/16/32 keep the flagship's PP 8 x FSDP 32; EP 64 and 256 need more ranks to borrow from
@@ -53,8 +55,8 @@ def flagship_section(cal, lines, data):
               "need PP 4 and PP 1 (EP must divide dp_shard x cp x tp). Per rank and step: rows and bytes of "
               "every MoE transfer (dispatch, combine, their backward, and the forward again under full AC); "
               "\"comm\" is the MoE communication time, all of it exposed (TorchTitan 0.2.2 runs dispatch and "
-              "combine on the compute stream). B200 GEMM efficiency: fitted to the Nebius standard-path run "
-              "(see the anchor section).", "",
+              "combine on the compute stream). B200 GEMM efficiency: the H200's measured share of peak "
+              "(an assumption; nothing is fitted to the Nebius anchors).", "",
               "| EP | layout | nodes / EP group | backend | network rows/step | NVLink rows/step | network GB/step | "
               "NVLink GB/step | MoE comm s/step | exposed comm s | overlapped s | step s | tok/s/GPU | MFU (bf16 peak) | "
               "memory in use GiB |",
@@ -122,20 +124,11 @@ def anchor_section(cal, rows, lines, data):
               "| figure | use | measured tok/s/GPU | predicted | error |", "| --- | --- | --- | --- | --- |"]
     for r in anchors:
         lines.append(f"| {r.id.rsplit('/', 1)[1]} | {r.use} | {fmt(r.measured)} | {fmt(r.predicted)} | {r.error_pct:+.1f}% |")
-    # the same without the fitted B200 efficiency: every efficiency as measured on H200
-    raw = replace(cal, gpu_gemm_efficiency={})
-    figs = [f for f in scale_validation.load_figures() if f["kind"] == "anchor"]
-    lines += ["", "With the H200's measured GEMM efficiency on B200 too (nothing fitted to an anchor):", "",
-              "| figure | measured | predicted | error |", "| --- | --- | --- | --- |"]
-    data["anchor_unfitted"] = {}
-    for f in figs:
-        m, pr = scale_validation.measured(f), scale_validation.predicted(f, raw)
-        lines.append(f"| {f['id'].rsplit('/', 1)[1]} | {fmt(m)} | {fmt(pr)} | {100 * (pr / m - 1):+.1f}% |")
-        data["anchor_unfitted"][f["id"]] = pr
+    figs = [f for f in validation.load_figures() if f["kind"] == "anchor"]
     # what DeepEP's network rate would have to be to reproduce 859
     f = next(f for f in figs if f["id"].endswith("/deepep"))
     w, cluster = scale_model.workload_from_spec(f["predict"], cal)
-    target = scale_validation.measured(f)
+    target = validation.measured(f)
     lo, hi = 0.5, cluster.nic_gbps
     for _ in range(40):
         mid = (lo + hi) / 2
@@ -143,9 +136,9 @@ def anchor_section(cal, rows, lines, data):
         # a slower network gives fewer tokens/s: above the target, the rate can drop further
         lo, hi = (mid, hi) if scale_model.predict("deepep", w, c, cal).tokens_per_s_per_gpu < target else (lo, mid)
     p = scale_model.predict("deepep", w, cluster, cal)
-    lines += ["", f"Reading of the error: the fitted B200 GEMM efficiency ({cal.gemm_efficiency_of('B200'):.2f} of "
-              f"peak, against {cal.gemm_efficiency:.2f} measured on H200) absorbs what the standard path's run "
-              "does not explain; with it the model still expects DeepEP to gain more than it did. Per step and "
+    lines += ["", "Nothing is fitted to these figures: B200 GEMMs run at the H200's measured share of peak "
+              f"({cal.gemm_efficiency:.2f}), an assumption until issue 24's layer benchmark measures the compute. "
+              "Per step and "
               f"rank the model gives DeepEP {p.terms_ms['moe comm'] / 1e3:.1f} s of MoE communication (network "
               f"{p.per_step('network_bytes') / GB:,.0f} GB at {cluster.network_gbps:.0f} GB/s, its host syncs, "
               "TorchTitan's permutes); the measured 859 tok/s/GPU needs DeepEP's network phase to run at about "
@@ -177,14 +170,14 @@ def validation_section(rows, lines, data):
 
 def memory_section(lines):
     lines += ["## Memory estimate", "",
-              "`moe_comm.estimate.memory_per_gpu` now prices the two moments a step peaks: the end of the forward "
+              "`moe_comm.predict.estimate.memory_per_gpu` now prices the two moments a step peaks: the end of the forward "
               "pass (fp32 params + AdamW moments 12 B/param sharded, FSDP working set, every activation and the "
               "logits; no gradient exists yet) and the end of the backward pass (the same plus 4 B/param of sharded "
               "fp32 gradients and the largest unit's unsharded gradients in bf16 and fp32, the activations gone). "
               "The larger is the peak in use (TorchTitan's memory/max_active); torch's caching allocator reserves "
               f"about {estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM:.0f} bytes per output-projection parameter "
               "(vocab x dim) more (memory/max_reserved; an empirical fit, "
-              f"`scale_validation.fit_allocator_cache` = {scale_validation.fit_allocator_cache():.1f}). The old "
+              f"`validation.fit_allocator_cache` = {validation.fit_allocator_cache():.1f}). The old "
               "estimate counted 16 B/param alongside every activation (116 GiB for the 671B-shaped layers at "
               "4 x 4096, 15% under the 137 GiB reserved) - gradients and activations never peak together. Residuals "
               "are in the validation table (memory rows): within 3% of the peak in use and 2% of reserved for the "
@@ -228,8 +221,8 @@ def gaps_section(lines):
               "- **Inter-node:** no multi-node figure exists yet; the network rate (DeepEP V1's 43 GB/s), the "
               "hierarchical path's fixed cost and the NVLink forward's SM budget are assumptions until the lead's "
               "inter-node kernels and a multi-node run measure them.",
-              "- **B200:** no B200 was measured here: its GEMM efficiency is fitted to the Nebius standard-path "
-              "run; its attention, HBM and per-SM kernel speeds are the H200's.", ""]
+              "- **B200:** no B200 was measured here: its GEMM, attention, HBM and per-SM kernel efficiencies are "
+              "the H200's (each of its own peak); nothing is fitted to the Nebius anchors.", ""]
 
 
 def plot(data, rows, path):
@@ -271,14 +264,14 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "scale_model.md"))
     args = ap.parse_args()
     out = Path(args.out)
-    cal = scale_calibration.calibrate()
-    rows = scale_validation.validate(cal)
+    cal = calibration.calibrate()
+    rows = validation.validate(cal)
     data: dict = {}
     lines = ["# Scale model: dispatch/combine and MFU at 256 B200, validated on 2xH200", "",
              f"Made by `python experiments/scale_model.py` on {datetime.date.today().isoformat()} (CPU; no GPU "
              "needed) from the 2xH200 result files in results/h200x2 and the figures in "
-             "results/scale_model_validation.json. The model: moe_comm/scale_model.py (routing counts: "
-             "moe_comm/routing_plan.py; memory: moe_comm/estimate.py). `python -m moe_comm check RECIPE` prints "
+             "results/scale_model_validation.json. The model: moe_comm/predict/scale_model.py (routing counts: "
+             "moe_comm/predict/routing_plan.py; memory: moe_comm/predict/estimate.py). `python -m moe_comm check RECIPE` prints "
              "the same predictions for one recipe. Plot: `scale_model.png`; numbers: `scale_model.json`.", ""]
     flagship_section(cal, lines, data)
     anchor_section(cal, rows, lines, data)

@@ -50,6 +50,13 @@ class MoEComm:
     with an error naming the kernel, the phase and the peer (nvshmem backend). Never 0: a wait
     without a bound is a silent hang."""
 
+    overlap: Literal["none", "chunked"] = "none"
+    """How MoE communication meets compute: "none" runs dispatch and combine on the compute
+    stream, in order; "chunked" splits each MoE layer's tokens in two and runs one chunk's
+    dispatch or combine on a side stream while the other chunk's experts compute (with any
+    schedule and activation checkpointing). TorchTitan's own DualPipeV overlap is chosen by
+    [parallelism] pipeline_parallel_schedule "DualPipeV" instead."""
+
     peak_tflops: float = 0.0
     """Peak dense TFLOPS of one GPU for MFU; 0 means look it up from the GPU's name
     (moe_comm.metrics.peaks). Set it for a GPU the table does not know, or MFU is not logged."""

@@ -34,7 +34,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from moe_comm.config import BACKENDS
 from moe_comm.errors import RecipeError
-from moe_comm.estimate import Layout
+from moe_comm.predict.estimate import Layout
 
 REPO = Path(__file__).resolve().parents[1]
 OUR_CONFIG_MODULE = "moe_comm.config"

@@ -1,4 +1,4 @@
-"""`moe_comm.estimate` against TorchTitan's own accounting, and `check` on the flagship recipe."""
+"""`moe_comm.predict.estimate` against TorchTitan's own accounting, and `check` on the flagship recipe."""
 
 import copy
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 from torchtitan.models.deepseek_v3 import deepseekv3_args, DeepSeekV3Model
 from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
-from moe_comm import estimate
+from moe_comm.predict import estimate
 from moe_comm.__main__ import main
 from moe_comm.titan import flavors
 
@@ -112,3 +112,53 @@ def test_check_cli_on_flagship_with_nvshmem_prints_its_buffers(capsys, monkeypat
     assert "nvshmem     4 node(s) x 8 per EP group, 4096 tokens per call" in out
     assert "12,288 net slots, 12,288 send slots" in out and "symmetric heap" in out
     assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
+
+
+def _flagship_layout(pp: int = 8) -> estimate.Layout:
+    return estimate.Layout(256, 32, 8, 1, 256 // pp, 1, 1, pp, 32, 1)
+
+
+def test_pipelined_memory_hand_counted():
+    """671B, PP 8 x FSDP 32, EP 32, 1F1B, 8 microbatches of 1 x 4096, full AC. TorchTitan's
+    split of 61 layers + embedding + output over 8 stages gives rank 0 the embedding, the 3
+    dense layers and 4 MoE layers, the most parameters of any rank; each block is unsharded in
+    bf16 with an fp32 gradient for the step (no reshard after forward with PP, gradients
+    accumulated over the microbatches); 1F1B's rank 0 holds min(8, pp) microbatches of layer
+    inputs, plus one layer recomputed."""
+    a = deepseekv3_args["671B"]
+    mem = estimate.memory_per_gpu(a, _flagship_layout(), 8, SEQ, "full", 1, "1F1B")
+    m = a.moe_args
+    routed = 3 * m.num_experts * a.dim * a.moe_inter_dim
+    moe_unit = estimate._moe_block_params(a) - routed + routed / 32
+    held = 3 * estimate._dense_block_params(a) + 4 * moe_unit + a.vocab_size * a.dim
+    assert mem.pipelined and mem.stages_per_rank == 1 and mem.microbatches_in_flight == 8
+    assert mem.fsdp_working_set == pytest.approx(2 * held) and mem.grad_reduce == pytest.approx(4 * held)
+    layer = estimate._act_bytes_per_token(a, True)
+    assert mem.activations == pytest.approx(8 * SEQ * 7 * 2 * a.dim + SEQ * layer)
+    assert mem.logits == 0  # the output and its logits are on rank 7
+    assert mem.forward_end == pytest.approx(mem.params_and_optimizer + mem.fsdp_working_set + mem.grad_reduce
+                                            + mem.activations)
+    assert mem.total == max(mem.forward_end, mem.backward_end)
+
+
+def test_memory_moves_with_the_schedule_and_microbatches():
+    a = deepseekv3_args["671B"]
+    lay = _flagship_layout()
+
+    def act(schedule, local_batch, ac="full", layers_per_stage=None):
+        return estimate.memory_per_gpu(a, lay, local_batch, SEQ, ac, 1, schedule, layers_per_stage)
+
+    # 1F1B holds pp microbatches however many run; Interleaved1F1B (v = 2) holds (v - 1) x the
+    # microbatches of a round + 2 (pp - 1) + 1 chunks of half a rank: 23 / 2 at 16 microbatches,
+    # 30 / 2 at 15 (one round of 15)
+    assert act("1F1B", 8).activations == act("1F1B", 32).activations
+    assert act("Interleaved1F1B", 16).microbatches_in_flight == 11.5
+    assert act("Interleaved1F1B", 15).microbatches_in_flight == 15
+    assert act("Interleaved1F1B", 16, "none").activations > act("1F1B", 16, "none").activations
+    # the zero-bubble V holds 2 pp chunks of half a rank: pp microbatches, as 1F1B
+    assert act("ZBVZeroBubble", 16).microbatches_in_flight == 8
+    # no AC keeps every activation of every microbatch in flight
+    assert act("1F1B", 8, "none").activations > 20 * act("1F1B", 8, "full").activations
+    assert act("Interleaved1F1B", 32, layers_per_stage=2).stages_per_rank == 4
+    with pytest.raises(ValueError, match="1F1B needs at least pp = 8"):
+        act("1F1B", 4)

@@ -24,7 +24,7 @@ from torchtitan.tools.logging import logger
 
 from moe_comm import gpus, recipe
 from moe_comm.backends import backend_class
-from moe_comm.estimate import Layout
+from moe_comm.predict.estimate import Layout
 from moe_comm.titan import cpu
 from moe_comm.titan.expert_parallel import apply_backend_ep
 

@@ -13,8 +13,9 @@ them). The fits, and which measured figures they use (the validation table marks
     backward per-row cost from a training pair's profiles (nccl vs nvshmem, batch 2 x 4096);
   * compute: GEMM efficiency, attention efficiency, the memory-bound rest and the idle share
     from TorchTitan's step-10 profiles of the 671B-shaped layers;
-  * B200 GEMM efficiency: the value at which the model reproduces the public anchor that the
-    validation table marks as calibrating it (nothing B200 was measured here).
+  * nothing is fitted to a public anchor (issue 24): the anchors are read only for the
+    validation table. No B200 was measured here, so B200 (and H100) GEMMs run at the H200's
+    measured share of their own peak, an assumption listed with the others.
 """
 
 import json
@@ -22,21 +23,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from moe_comm import estimate
-from moe_comm.routing_plan import routing_statistics
-from moe_comm.scale_model import (
-    READ,
-    REPO,
-    VALIDATION,
-    Assumption,
+from moe_comm.predict import estimate, layer_compute
+from moe_comm.predict.assumptions import READ, REPO, Assumption
+from moe_comm.predict.estimate import (
     attention_flops_per_token,
     matmul_flops_per_token,
     memory_bound_bytes_per_token,
     optimizer_bytes,
-    predict,
-    row_bytes,
-    workload_from_spec,
 )
+from moe_comm.predict.routing_plan import routing_statistics, row_bytes
 
 RESULTS = REPO / "results" / "h200x2"
 # The SM counts whose comm-bench rows calibrate the kernels' costs; the others are held out.
@@ -71,11 +66,10 @@ class Calibration:
     attention_efficiency: float
     memory_bytes_factor: float  # memory-bound kernels' time = factor x activation bytes / HBM
     idle_ratio: float  # GPU idle / busy
+    # the measured layer parts (results/h200x1/layer_bench.json) that price compute once recorded;
+    # until then gemm_efficiency, attention_efficiency and memory_bytes_factor do
+    layer_bench: layer_compute.LayerBench | None = None
     assumptions: list = field(default_factory=list)
-    gpu_gemm_efficiency: dict = field(default_factory=dict)  # other GPUs, fitted to an anchor
-
-    def gemm_efficiency_of(self, gpu: str) -> float:
-        return self.gpu_gemm_efficiency.get(gpu, self.gemm_efficiency)
 
 
 def _one(bench: dict, **match) -> dict:
@@ -162,9 +156,8 @@ def _flavor(name: str):
 
 
 @lru_cache(maxsize=4)
-def calibrate(results: Path = RESULTS, validation: Path = VALIDATION) -> Calibration:
-    """Fit the model's measured constants from the 2xH200 result files, then the B200 GEMM
-    efficiency from the validation table's calibrating anchor."""
+def calibrate(results: Path = RESULTS) -> Calibration:
+    """Fit the model's measured constants from the 2xH200 result files."""
     A: list[Assumption] = list(READ.values())
     rel = results.relative_to(REPO) if results.is_relative_to(REPO) else results
     bench_src = f"{rel}/comm_bench.json"
@@ -254,35 +247,16 @@ def calibrate(results: Path = RESULTS, validation: Path = VALIDATION) -> Calibra
     A.append(Assumption("nccl path: per expert row per backward round trip", nccl_bwd_row, "us",
                         f"{rel}/runs/mfu_sweep/*-{{nccl,nvshmem}}-b2-s4096 profiles: other-kernel time difference "
                         "less the forward permutes"))
-    A.append(Assumption("B200 and H100 reach the H200's attention, HBM and per-SM kernel efficiencies", 1.0, "",
-                        "assumption: no B200 was measured here"))
+    A.append(Assumption("B200 and H100 reach the H200's GEMM, attention, HBM and per-SM kernel efficiencies "
+                        "(each of its own peak)", 1.0, "",
+                        "assumption: no B200 was measured here; issue 24's one-GPU layer benchmark replaces it"))
+    bench = layer_compute.load() if layer_compute.BENCH.is_file() else None
+    if bench is not None:
+        A += layer_compute.assumptions(bench)
     cal = Calibration(
-        p2p_gbps=p2p, nvlink_copy_efficiency=copy_eff, kernel_floor_us=floor, ops=ops, deepep_ops=deepep_ops,
+        layer_bench=bench, p2p_gbps=p2p, nvlink_copy_efficiency=copy_eff, kernel_floor_us=floor, ops=ops, deepep_ops=deepep_ops,
         expand=layout["expand"], reduce=layout["reduce"], layout_hbm_efficiency=layout_eff,
         nccl_call_us=nccl_call, nccl_row_us=nccl_row, nccl_backward_row_us=nccl_bwd_row, gemm_efficiency=gemm_eff,
         attention_efficiency=attn_eff, memory_bytes_factor=mem_factor, idle_ratio=idle_ratio, assumptions=A,
     )
-    _fit_anchored_gemm_efficiency(cal, validation)
     return cal
-
-
-def _fit_anchored_gemm_efficiency(cal: Calibration, validation: Path) -> None:
-    """A GPU measured nowhere here gets the GEMM efficiency at which the model reproduces the
-    public end-to-end figure the validation table marks as calibrating it; the other anchors of
-    the same GPU stay held out."""
-    for fig in json.loads(validation.read_text())["figures"]:
-        if not fig["use"].startswith("calibration (B200 GEMM efficiency"):
-            continue
-        spec, target = fig["predict"], fig["measured"]["value"]
-        w, cluster = workload_from_spec(spec, cal)
-        lo, hi = 0.02, 1.0
-        for _ in range(50):  # tokens/s grows with the efficiency: bisect
-            cal.gpu_gemm_efficiency[spec["gpu"]] = (lo + hi) / 2
-            if predict(spec["backend"], w, cluster, cal).tokens_per_s_per_gpu < target:
-                lo = (lo + hi) / 2
-            else:
-                hi = (lo + hi) / 2
-        cal.gpu_gemm_efficiency[spec["gpu"]] = (lo + hi) / 2
-        cal.assumptions.append(Assumption(
-            f"{spec['gpu']} GEMM efficiency (fitted: the model reproduces {fig['id']}, {target} tok/s/GPU)",
-            (lo + hi) / 2, "of peak", f"{fig['measured']['source']}; layout: {spec['workload_source']}"))

@@ -1,6 +1,6 @@
 """Closed-form estimates for a DeepSeek-V3 recipe: parameters, flops per token and per-GPU
-memory. Shared by `python -m moe_comm check` and the scale model (moe_comm.scale_model prices
-the dispatch/combine traffic, from moe_comm.routing_plan's row counts).
+memory. Shared by `python -m moe_comm check` and the scale model (moe_comm.predict.scale_model prices
+the dispatch/combine traffic, from moe_comm.predict.routing_plan's row counts).
 
 Parameters and flops follow TorchTitan's own accounting (`get_moe_model_nparams_and_flops`):
 flops/token = 6 x (active params - embedding) + 6 x layers x heads x (qk_nope + qk_rope + v) x seq,
@@ -19,19 +19,27 @@ Memory (per GPU, bytes) is written down term by term so it can be argued with:
   * activations, per token per layer, in bf16 (2 bytes) unless noted; see `_act_bytes_per_token`.
     No AC keeps every layer's activations; "selective" keeps about half (TorchTitan's op SAC
     keeps matmul and attention outputs); "full" keeps each layer's input (dim x 2 bytes) plus
-    one layer recomputed at a time. With PP, 1F1B keeps min(microbatches, pp) microbatches in
-    flight on the first stage. The logits (tokens x vocab, fp32 for the loss, plus the bf16
-    output) sit on the last stage.
-  * activations and gradients never peak together (`MemoryEstimate`): the peak in use is the
-    end of the forward pass or the end of the backward pass, whichever is larger, and the
+    one layer recomputed at a time. With PP, the schedule decides how many microbatch-stages a
+    rank holds (moe_comm.predict.schedule: 1F1B min(microbatches, pp) on the first rank, an
+    interleaved schedule more, the zero-bubble ones until each weight gradient ran), and the
+    stage split which layers a rank has; the estimate is the pipeline rank that holds the most.
+    The logits (one microbatch's tokens x vocab, fp32 for the loss, plus the bf16 output) sit
+    on the rank with the last stage.
+  * with PP, TorchTitan does not reshard a stage's parameters after the forward and torch's
+    pipeline accumulates unsharded fp32 gradients over the microbatches: every block of the
+    rank is unsharded in bf16, with an fp32 gradient, for the whole step.
+  * without PP, activations and gradients never peak together (`MemoryEstimate`): the peak in
+    use is the end of the forward pass or the end of the backward pass, whichever is larger, and the
     caching allocator reserves more than that (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM).
 Checked against the 2xH200 runs in results/h200x2 (results/scale_model.md, memory rows): the
 peak in use within 3% for the bf16 runs (16B at 1 x 4096 full AC: 119.5 GiB in use, 127.5
 reserved; the 671B-shaped layers at 4 x 4096 without AC: 102.9 in use, 137.4 reserved).
 """
 
-import math
 from dataclasses import dataclass
+
+from moe_comm.predict import schedule
+from moe_comm.predict.schedule import Pipeline
 
 GiB = 1024**3
 
@@ -126,7 +134,7 @@ def _act_bytes_per_token(a, moe_layer: bool) -> float:
 
 # The caching allocator keeps what it freed: torch's max_reserved exceeds the peak in use by
 # about this many bytes per parameter of the output projection (vocab x dim / tp). Fitted by
-# moe_comm.scale_validation.fit_allocator_cache over the 2xH200 memory figures of
+# moe_comm.predict.validation.fit_allocator_cache over the 2xH200 memory figures of
 # results/scale_model_validation.json (10 runs: the 671B-shaped layers bf16 and float8, 16B);
 # tests/test_scale_model.py fails if the fit moves away from it. Vocabulary-sized buffers
 # (logits in fp32 and bf16 and their gradients, the unsharded embedding and output and their
@@ -147,15 +155,21 @@ class MemoryEstimate:
 
     params_and_optimizer: float  # fp32 params + AdamW moments, 12 B/param, sharded
     gradients: float  # fp32 sharded gradients, 4 B/param
-    fsdp_working_set: float  # two units' bf16 params unsharded (current + prefetched)
-    grad_reduce: float  # the largest unit's unsharded gradients: bf16 + the fp32 reduce copy
+    fsdp_working_set: float  # bf16 params unsharded: two units, or with PP all the rank's
+    grad_reduce: float  # unsharded gradients: the largest unit's bf16 + fp32, or with PP all the rank's fp32
     activations: float
     logits: float
     allocator_cache: float  # reserved beyond the peak in use (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM)
+    pipelined: bool = False  # PP: gradients accumulate while microbatches are in flight
+    microbatches_in_flight: float = 1.0  # whole-rank microbatches whose activations are held at the peak
+    stages_per_rank: int = 1
 
     @property
     def forward_end(self) -> float:
-        return self.params_and_optimizer + self.fsdp_working_set + self.activations + self.logits
+        """The most activations alive; with PP, the accumulating gradients are there too (the
+        first microbatch's backward precedes the last one's forward)."""
+        held = self.params_and_optimizer + self.fsdp_working_set + self.activations + self.logits
+        return held + (self.grad_reduce if self.pipelined else 0.0)
 
     @property
     def backward_end(self) -> float:
@@ -176,9 +190,71 @@ class MemoryEstimate:
         return self.total + self.allocator_cache
 
 
+def _block_unit(a, layout: Layout, layer: int) -> float:
+    """Parameters of one block on this rank as FSDP unshards them: the routed experts split over
+    ep, the rest whole (FSDP all-gathers it), both over tp."""
+    if layer < a.n_dense_layers:
+        return _dense_block_params(a) / layout.tp
+    routed = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim
+    return (_moe_block_params(a) - routed + routed / max(layout.ep, 1)) / layout.tp
+
+
+def _dense_block_params(a) -> int:
+    return _attention_params(a) + 2 * a.dim + 3 * a.dim * a.inter_dim
+
+
+def _moe_block_params(a) -> int:
+    m = a.moe_args
+    routed = 3 * m.num_experts * a.dim * a.moe_inter_dim
+    shared = 3 * a.dim * a.moe_inter_dim * m.num_shared_experts
+    router = a.dim * m.num_experts + (m.num_experts if m.gate_bias else 0)
+    return _attention_params(a) + 2 * a.dim + routed + shared + router
+
+
+@dataclass(frozen=True)
+class PipelineRank:
+    """One pipeline-parallel rank: its layers, and whether it holds the embedding and the
+    output (moe_comm.predict.schedule's stage split)."""
+
+    pipe: Pipeline
+    rank: int
+    layers: tuple[int, ...]
+    embedding: bool
+    output: bool
+
+
+def pipeline_ranks(a, layout: Layout, local_batch: int, microbatch: int, pp_schedule: str,
+                   layers_per_stage: int | None = None) -> list[PipelineRank]:
+    """Every pipeline rank's stages, as TorchTitan builds them (raises ValueError where it or
+    torch would refuse the schedule)."""
+    if layout.pp == 1:
+        return [PipelineRank(Pipeline("1F1B", 1, 1, 1), 0, tuple(range(a.n_layers)), True, True)]
+    v = schedule.stages_per_rank(pp_schedule, layout.pp, a.n_layers, layers_per_stage)
+    pipe = Pipeline(schedule.canonical(pp_schedule), layout.pp, local_batch // microbatch, v)
+    pipe.validate()
+    split = schedule.stage_layers(a.n_layers, layout.pp * v)
+    ranks = []
+    for r in range(layout.pp):
+        stages = schedule.rank_stages(pipe.name, layout.pp, v, r)
+        ranks.append(PipelineRank(pipe, r, tuple(i for s in stages for i in split[s]), 0 in stages,
+                                  layout.pp * v - 1 in stages))
+    return ranks
+
+
 def memory_per_gpu(
-    a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int = 1
+    a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int = 1,
+    pp_schedule: str = "1F1B", layers_per_stage: int | None = None,
 ) -> MemoryEstimate:
+    """Per-GPU memory; with PP, of the pipeline rank that holds the most."""
+    if layout.pp > 1:
+        ranks = pipeline_ranks(a, layout, local_batch, microbatch, pp_schedule, layers_per_stage)
+        return max((_memory(a, layout, local_batch, seq_len, ac_mode, microbatch, r) for r in ranks),
+                   key=lambda mem: mem.total)
+    return _memory(a, layout, local_batch, seq_len, ac_mode, microbatch, None)
+
+
+def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int,
+            rank: PipelineRank | None) -> MemoryEstimate:
     p = count_params(a)
     shard = layout.dp_shard * layout.cp * layout.tp * layout.pp
     routed_per_block = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim
@@ -189,30 +265,74 @@ def memory_per_gpu(
         unit = (dense_part + routed_per_block / max(layout.ep, 1)) / layout.tp
     else:
         unit = p.per_block_max / layout.tp
-    fsdp_working_set = 2 * 2 * unit
-    grad_reduce = (2 + 4) * unit
-
-    layers_per_stage = math.ceil(a.n_layers / layout.pp)
-    n_moe = a.n_layers - a.n_dense_layers
-    moe_share = n_moe / a.n_layers
-    per_token_layer = moe_share * _act_bytes_per_token(a, True) + (1 - moe_share) * _act_bytes_per_token(a, False)
-    per_token_layer /= layout.tp * layout.cp
-    if layout.pp > 1:
-        in_flight = min(local_batch // microbatch, layout.pp)
-        tokens = in_flight * microbatch * seq_len
-        tokens_one_mb = microbatch * seq_len
-    else:
+    cp_tp = layout.tp * layout.cp
+    if rank is None:
+        fsdp_working_set = 2 * 2 * unit
+        grad_reduce = (2 + 4) * unit
+        layers = range(a.n_layers)
         tokens = tokens_one_mb = local_batch * seq_len
-    if ac_mode == "full":
-        activations = tokens * layers_per_stage * 2 * a.dim / (layout.tp * layout.cp) + tokens_one_mb * per_token_layer
-    elif ac_mode == "selective":
-        activations = 0.5 * tokens * layers_per_stage * per_token_layer
+        in_flight = 1.0
     else:
-        activations = tokens * layers_per_stage * per_token_layer
-    logits = tokens_one_mb * a.vocab_size * (4 + 2) / (layout.tp * layout.cp)
+        # TorchTitan keeps a pipelined stage's parameters unsharded from its first forward to
+        # the step's end (reshard_after_forward = not pp_enabled) and torch's pipeline runs
+        # every microbatch's backward but the last without gradient sync, so FSDP accumulates
+        # each parameter's unsharded gradient in fp32 until the stage's REDUCE_GRAD: both for
+        # all the rank's blocks (and its embedding / output), alive while microbatches are
+        # in flight
+        held = sum(_block_unit(a, layout, i) for i in rank.layers)
+        held += (int(rank.embedding) + int(rank.output)) * a.vocab_size * a.dim / layout.tp
+        fsdp_working_set = 2 * held
+        grad_reduce = 4 * held
+        layers = rank.layers
+        tokens_one_mb = microbatch * seq_len
+        in_flight = rank.pipe.microbatches_in_flight(rank.rank)
+        tokens = in_flight * tokens_one_mb
+    per_token = [_act_bytes_per_token(a, i >= a.n_dense_layers) / cp_tp for i in layers]
+    if ac_mode == "full":
+        activations = tokens * len(per_token) * 2 * a.dim / cp_tp + tokens_one_mb * max(per_token, default=0.0)
+    elif ac_mode == "selective":
+        activations = 0.5 * tokens * sum(per_token)
+    else:
+        activations = tokens * sum(per_token)
+    on_last = rank is None or rank.output
+    logits = tokens_one_mb * a.vocab_size * (4 + 2) / cp_tp if on_last else 0.0
     cache = ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM * a.vocab_size * a.dim / layout.tp
     return MemoryEstimate(
         params_and_optimizer=12 * p.total / shard, gradients=4 * p.total / shard,
         fsdp_working_set=fsdp_working_set, grad_reduce=grad_reduce, activations=activations,
-        logits=logits, allocator_cache=cache,
+        logits=logits, allocator_cache=cache, pipelined=rank is not None,
+        microbatches_in_flight=in_flight, stages_per_rank=rank.pipe.v if rank else 1,
     )
+
+
+# ---------------------------------------------------------- what the step model prices per token
+
+
+def matmul_flops_per_token(a) -> float:
+    """TorchTitan's parameter flops (6 x active params less the embedding)."""
+    p = count_params(a)
+    return 6 * (p.active - p.embedding)
+
+
+def expert_flops_per_token(a) -> float:
+    m = a.moe_args
+    return 6 * 3 * a.dim * a.moe_inter_dim * m.top_k * (a.n_layers - a.n_dense_layers)
+
+
+def attention_flops_per_token(a, seq_len: int) -> float:
+    """Causal attention flops executed: half of TorchTitan's 6 x layers x heads x head dims x seq."""
+    head_dims = a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim
+    return 0.5 * 6 * a.n_layers * a.n_heads * head_dims * seq_len
+
+
+def memory_bound_bytes_per_token(a) -> float:
+    """A proxy for the memory-bound kernels' traffic: the activation bytes a token leaves in
+    every layer without AC (above) plus the logits (fp32 + bf16)."""
+    per_layer = sum(_act_bytes_per_token(a, i >= a.n_dense_layers) for i in range(a.n_layers))
+    return per_layer + a.vocab_size * 6
+
+
+def optimizer_bytes(params: float) -> float:
+    """Fused AdamW reads param, grad, two moments and writes three (28 B/param); the grad-norm
+    clip reads the gradients once more (4 B/param)."""
+    return 32 * params

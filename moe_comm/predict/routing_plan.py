@@ -286,3 +286,14 @@ def routing_statistics(
         nodes_hit_per_token=p.nodes_hit_per_token, ranks_hit_per_token=p.ranks_hit_per_token,
         node_dedup=p.node_dedup, rank_dedup=p.rank_dedup,
     )
+
+
+def row_bytes(hidden: int, dtype: str = "bf16", metadata: bool = True) -> float:
+    """Bytes one row puts on a link: the hidden vector (bf16, or e4m3 plus one fp32 scale per
+    128 channels) and, for our kernels and DeepEP, the slot metadata (csrc/common/wire.h: a net
+    slot's NetMeta, 128 bytes, the larger of the two formats; NVLink deliveries carry 80)."""
+    from moe_comm.kernels.capacity import NET_META_BYTES
+
+    payload = hidden * 2 if dtype == "bf16" else hidden + hidden / 128 * 4
+    meta = NET_META_BYTES if metadata else 0
+    return payload + meta
