@@ -888,9 +888,9 @@ def _expected_s(part: Part, state: dict) -> float:
 
 
 def run(args) -> int:
-    device = torch.device(args.device)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device(args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # set_device needs an index: the first GPU
     else:
         from moe_comm.titan import cpu
 
