@@ -203,13 +203,15 @@ PLAN_MARGIN = 1.10  # name the plan's best layout when it is predicted this much
 
 
 def _plan_lines(r: recipe.Recipe, gpu: str, ours_pred, ours: str, cal) -> list[str]:
-    """The plan's best layout for this recipe's backend, cluster and EP degree, when it is
-    predicted more than 10% faster than the recipe."""
+    """The plan's best layout for this recipe's backend, cluster, EP degree and global batch,
+    when it is predicted more than 10% faster than the recipe."""
     from moe_comm import plan as plan_verb
     from moe_comm.predict import plan as planner
 
+    lay, t = r.layout, r.config.training
+    tokens = float(t.local_batch_size * t.seq_len * lay.dp_shard * lay.dp_replicate)
     try:
-        req = plan_verb.request(r, gpu=gpu, backends=[ours], keep=[f"ep={r.layout.ep}"])
+        req = plan_verb.request(r, gpu=gpu, backends=[ours], keep=[f"ep={r.layout.ep}"], global_tokens=(tokens, tokens))
         rows = planner.plan(req, cal, top=1)[ours]
     except planner.PlanError as e:
         return [f"plan        no layout to compare ({e})"]
@@ -217,7 +219,7 @@ def _plan_lines(r: recipe.Recipe, gpu: str, ours_pred, ours: str, cal) -> list[s
         return []
     row = rows[0]
     gain = row.tokens_per_s_per_gpu / ours_pred.tokens_per_s_per_gpu - 1
-    return [f"plan        predicted {gain:.0%} faster on this cluster with {ours}, EP {r.layout.ep} kept: "
+    return [f"plan        predicted {gain:.0%} faster on this cluster with {ours}, EP {r.layout.ep} and the global batch kept: "
             f"{row.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {row.memory_gib:.0f} GiB ({plan_verb.describe(row)}): "
             f"{' '.join(row.overrides)}  (python -m moe_comm plan {r.path} for the table)"]
 

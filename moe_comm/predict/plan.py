@@ -15,8 +15,9 @@ The search space (TorchTitan 0.2.2 with our EP hook, which takes no TP; no CP, n
   * the MoE overlap: none, chunked ([moe_comm] overlap), and DualPipeV's own (with AC none, as
     TorchTitan requires).
 A layout is kept when the memory estimate (moe_comm.predict.estimate, the pipeline rank that
-holds the most) plus the nvshmem backends' symmetric heap leaves the headroom asked for (10% by
-default, as `check`'s verdict). Backends: nccl, deepep, nvshmem (bf16 dispatch), nvshmem-fp8.
+holds the most) plus the nvshmem backends' symmetric heap leaves the headroom asked for: 15% by
+default, issue 23's bound (memory in use at most 85% of the GPU), wider than `check`'s 10% fit
+verdict because the estimate's pipeline terms have not met a multi-node measurement yet. Backends: nccl, deepep, nvshmem (bf16 dispatch), nvshmem-fp8.
 Every figure is a model prediction, with the model's assumptions (results/scale_model.md).
 """
 
@@ -98,7 +99,7 @@ class Request:
     keep: dict = field(default_factory=dict)
     backends: tuple = scale_model.BACKENDS
     global_tokens: tuple[float, float] = (0.0, 0.0)  # 0: BATCH_RANGE x the recipe's
-    headroom: float = 0.10
+    headroom: float = 0.15
 
 
 def parse_keep(items: list[str]) -> dict:
