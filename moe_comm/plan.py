@@ -99,7 +99,7 @@ def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
             lines.append(f"  {i:>2} {p.tokens_per_s_per_gpu:>9,.0f} {p.tflops_per_gpu:>6,.0f} {p.mfu:>5.1f}% "
                          f"{row.memory_gib:>5.0f} / {row.memory_limit_gib:<4.0f} {b['bubble']:>6.0%} "
                          f"{b['exposed comm']:>8.0%} {p.moe_exposed_share:>7.0%}  {describe(row)}")
-            lines.append(f"  {'':>2} {'':>9} {'':>6} {'':>6} {'':>11} {'':>6} {'':>8} {'':>7}  {' '.join(row.overrides)}")
+            lines.append(" " * 66 + " ".join(row.overrides))  # under the layout column
     return lines
 
 
@@ -109,8 +109,8 @@ def explain(row: planner.Row) -> list[str]:
              f"{planner.MEGATRON_TFLOPS:.0f} (256 GB200, PP 8 VPP 4, EP 32, MXFP8; NOTES section 8), term by term:"]
     for term, cost in planner.shortfall(p):
         lines.append(f"  {cost:>+8,.0f} TFLOPS  {term}")
-    lines.append(f"  (= {planner.MEGATRON_TFLOPS - p.tflops_per_gpu:+,.0f}; Megatron's GB200 peak is 2.5 PFLOPS bf16 against "
-                 f"the B200's {p.peak_tflops / 1e3:.2f}, and it runs MXFP8 GEMMs)")
+    lines.append(f"  (= {planner.MEGATRON_TFLOPS - p.tflops_per_gpu:+,.0f}; Megatron's GB200 peak is 2.5 PFLOPS "
+                 f"bf16 against the B200's {p.peak_tflops / 1e3:.2f}, and it runs MXFP8 GEMMs)")
     return lines
 
 
@@ -129,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     n = req.nodes * req.gpus_per_node
     print(f"plan for {r.path} on {req.nodes} x {req.gpus_per_node} {req.gpu} ({n} GPUs); kept: "
-          f"{planner._kept(req)}; memory limit {(1 - req.headroom):.0%} of the GPU; model predictions "
+          f"{planner.kept_text(req)}; memory limit {(1 - req.headroom):.0%} of the GPU; model predictions "
           "(results/scale_model.md: assumptions and errors)")
     for line in table(rows, req):
         print(line)

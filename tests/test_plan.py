@@ -96,6 +96,7 @@ def test_plan_cli(capsys, monkeypatch):
     (["--keep", "schedule=GPipe"], "the schedule model covers"),
     (["--keep", "ac=some"], "ac is one of"),
     (["--nodes", "1"], "nothing fits on 1 x 8 B200"),
+    (["--keep", "pp=3"], "the kept values exclude every PP degree"),
     (["--global-tokens", "4M-1M"], "--global-tokens '4M-1M': write MIN-MAX"),
 ])
 def test_plan_refusals(argv, message, capsys, monkeypatch):
