@@ -94,7 +94,8 @@ def _memory_line(mem: estimate.MemoryEstimate, r: recipe.Recipe) -> str:
                 if mem.peak_at == "end of forward" else
                 f"gradients {mem.gradients / G:.1f} + gradient reduce {mem.grad_reduce / G:.1f}")
     at = "with the most microbatches in flight" if mem.pipelined and mem.peak_at == "end of forward" else mem.peak_at
-    return (f"memory/GPU  {mem.total / G:.1f} GiB in use at its peak ({at}{', busiest pipeline rank' if mem.pipelined else ''}): "
+    where = at + (", busiest pipeline rank" if mem.pipelined else "")
+    return (f"memory/GPU  {mem.total / G:.1f} GiB in use at its peak ({where}): "
             f"params + AdamW {mem.params_and_optimizer / G:.1f} (12 B/param sharded) + {held}{ends}"
             f"; reserved by the allocator ~{mem.reserved / G:.1f}; {_verdict(mem.total / G, r)}")
 
@@ -166,8 +167,11 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     if r.layout.pp > 1:
         lines.append(
             f"pipeline    PP {r.layout.pp} {pipe.name}, {pipe.v} stage(s) per rank, {pipe.microbatches} microbatches; "
-            f"up to {pipe.peak_chunks / pipe.v:g} microbatches in flight on a rank; bubble "
-            f"{preds[ours].terms_ms['pp bubble'] / preds[ours].step_ms:.0%} of the step ({ours}; moe_comm.predict.schedule)")
+            f"up to {pipe.peak_chunks / pipe.v:g} microbatches in flight on a rank; PP sends "
+            f"{2 * pipe.sends_per_microbatch * pipe.microbatches * w.tokens_per_call * w.args.dim * 2 / 1e9:.1f} GB "
+            "per rank and step (activations and gradients); bubble "
+            f"{preds[ours].terms_ms['pp bubble'] / preds[ours].step_ms:.0%} of the step ({ours}; "
+            "moe_comm.predict.schedule)")
     lines += [
         f"scale model {gpu}, {cluster.nodes} x {cluster.gpus_per_node}; NVLink {cluster.nvlink_copy_gbps:.0f} GB/s, "
         f"network {cluster.network_gbps:.0f} GB/s per GPU (predictions; sources and errors: results/scale_model.md); "
@@ -205,13 +209,15 @@ PLAN_MARGIN = 1.10  # name the plan's best layout when it is predicted this much
 
 
 def _plan_lines(r: recipe.Recipe, gpu: str, ours_pred, ours: str, cal) -> list[str]:
-    """The plan's best layout for this recipe's backend, cluster and EP degree, when it is
-    predicted more than 10% faster than the recipe."""
+    """The plan's best layout for this recipe's backend, cluster, EP degree and global batch,
+    when it is predicted more than 10% faster than the recipe."""
     from moe_comm import plan as plan_verb
     from moe_comm.predict import plan as planner
 
+    lay, t = r.layout, r.config.training
+    tokens = float(t.local_batch_size * t.seq_len * lay.dp_shard * lay.dp_replicate)
     try:
-        req = plan_verb.request(r, gpu=gpu, backends=[ours], keep=[f"ep={r.layout.ep}"])
+        req = plan_verb.request(r, gpu=gpu, backends=[ours], keep=[f"ep={r.layout.ep}"], global_tokens=(tokens, tokens))
         rows = planner.plan(req, cal, top=1)[ours]
     except planner.PlanError as e:
         return [f"plan        no layout to compare ({e})"]
@@ -219,7 +225,8 @@ def _plan_lines(r: recipe.Recipe, gpu: str, ours_pred, ours: str, cal) -> list[s
         return []
     row = rows[0]
     gain = row.tokens_per_s_per_gpu / ours_pred.tokens_per_s_per_gpu - 1
-    return [f"plan        predicted {gain:.0%} faster on this cluster with {ours}, EP {r.layout.ep} kept: "
+    return [f"plan        predicted {gain:.0%} faster on this cluster with {ours}, EP {r.layout.ep} and the "
+            f"global batch kept: "
             f"{row.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {row.memory_gib:.0f} GiB ({plan_verb.describe(row)}): "
             f"{' '.join(row.overrides)}  (python -m moe_comm plan {r.path} for the table)"]
 

@@ -28,8 +28,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, help="rows per backend (default 10)")
     parser.add_argument("--global-tokens", default=None, metavar="MIN-MAX",
                         help="global batch range in tokens, e.g. 1M-4M (default: the recipe's, up to 4x)")
-    parser.add_argument("--headroom", type=float, default=0.10,
-                        help="share of GPU memory left free (default 0.10, as check's verdict)")
+    parser.add_argument("--headroom", type=float, default=0.15,
+                        help="share of GPU memory left free (default 0.15: at most 85%% in use)")
     parser.add_argument("--explain", action="store_true",
                         help="for each backend's best row, where its TFLOPS/GPU fall short of Megatron-Core's 944")
 
@@ -40,16 +40,19 @@ def _tokens(word: str) -> float:
 
 
 def request(r: recipe.Recipe, nodes: int | None = None, gpus_per_node: int | None = None, gpu: str | None = None,
-            backends=None, keep: list[str] = (), global_tokens: str | None = None,
-            headroom: float = 0.10) -> planner.Request:
-    """A plan request for a loaded recipe (PlanError for a bad --keep or range)."""
+            backends=None, keep: list[str] = (), global_tokens: str | tuple | None = None,
+            headroom: float = 0.15) -> planner.Request:
+    """A plan request for a loaded recipe (PlanError for a bad --keep or range); global_tokens
+    is "MIN-MAX" as typed, or a (min, max) pair."""
     c = r.config
     base = scale_model.workload_from_recipe(r)
     gpu = gpu or c.cluster.gpu
     if not gpu:
         raise planner.PlanError("the recipe names no [cluster] gpu: pass --gpu (one of " + ", ".join(gpus.MODELS) + ")")
     span = (0.0, 0.0)
-    if global_tokens:
+    if isinstance(global_tokens, tuple):
+        span = global_tokens
+    elif global_tokens:
         lo, sep, hi = global_tokens.partition("-")
         try:
             span = (_tokens(lo), _tokens(hi))
@@ -82,6 +85,11 @@ def describe(row: planner.Row) -> str:
 def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
     lines = []
     for backend, rows in rows_by_backend.items():
+        if not rows:
+            why = ("refused with this recipe's converters (no expert-segment padding)"
+                   if not scale_model.runnable(backend, req.base) else "nothing fits")
+            lines.append(f"{backend}: no feasible layout: {why}")
+            continue
         lines.append(f"{backend}: {len(rows)} best feasible layout(s), predicted")
         lines.append(f"  {'#':>2} {'tok/s/GPU':>9} {'TFLOPS':>6} {'MFU':>6} {'memory GiB':>11} {'bubble':>6} "
                      f"{'MoE comm':>8} {'exposed':>7}  layout / overrides")
@@ -91,7 +99,7 @@ def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
             lines.append(f"  {i:>2} {p.tokens_per_s_per_gpu:>9,.0f} {p.tflops_per_gpu:>6,.0f} {p.mfu:>5.1f}% "
                          f"{row.memory_gib:>5.0f} / {row.memory_limit_gib:<4.0f} {b['bubble']:>6.0%} "
                          f"{b['exposed comm']:>8.0%} {p.moe_exposed_share:>7.0%}  {describe(row)}")
-            lines.append(f"  {'':>2} {'':>9} {'':>6} {'':>6} {'':>11} {'':>6} {'':>8} {'':>7}  {' '.join(row.overrides)}")
+            lines.append(" " * 66 + " ".join(row.overrides))  # under the layout column
     return lines
 
 
@@ -101,8 +109,8 @@ def explain(row: planner.Row) -> list[str]:
              f"{planner.MEGATRON_TFLOPS:.0f} (256 GB200, PP 8 VPP 4, EP 32, MXFP8; NOTES section 8), term by term:"]
     for term, cost in planner.shortfall(p):
         lines.append(f"  {cost:>+8,.0f} TFLOPS  {term}")
-    lines.append(f"  (= {planner.MEGATRON_TFLOPS - p.tflops_per_gpu:+,.0f}; Megatron's GB200 peak is 2.5 PFLOPS bf16 against "
-                 f"the B200's {p.peak_tflops / 1e3:.2f}, and it runs MXFP8 GEMMs)")
+    lines.append(f"  (= {planner.MEGATRON_TFLOPS - p.tflops_per_gpu:+,.0f}; Megatron's GB200 peak is 2.5 PFLOPS "
+                 f"bf16 against the B200's {p.peak_tflops / 1e3:.2f}, and it runs MXFP8 GEMMs)")
     return lines
 
 
@@ -121,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     n = req.nodes * req.gpus_per_node
     print(f"plan for {r.path} on {req.nodes} x {req.gpus_per_node} {req.gpu} ({n} GPUs); kept: "
-          f"{planner._kept(req)}; memory limit {(1 - req.headroom):.0%} of the GPU; model predictions "
+          f"{planner.kept_text(req)}; memory limit {(1 - req.headroom):.0%} of the GPU; model predictions "
           "(results/scale_model.md: assumptions and errors)")
     for line in table(rows, req):
         print(line)

@@ -31,11 +31,11 @@ def test_rows_are_feasible_ranked_and_kept(flagship_plan):
         assert speeds == sorted(speeds, reverse=True)
         for row in top:
             assert (row.layout.ep, row.layout.pp) == (32, 8)
-            assert row.memory_gib <= 0.9 * 178.4 and row.memory_limit_gib == pytest.approx(0.9 * 178.4)
+            assert row.memory_gib <= 0.85 * 178.4 and row.memory_limit_gib == pytest.approx(0.85 * 178.4)
             assert 0 <= row.bounds["bubble"] < 1 and 0 < row.bounds["exposed comm"] < 1
-            # the global batch stays in the stated range: the recipe's 1M tokens up to 4x
+            # the global batch stays in the stated range: the recipe's 4M tokens up to 4x
             tokens = row.layout.local_batch * 4096 * 32
-            assert 2**20 <= tokens <= 4 * 2**20
+            assert 4 * 2**20 <= tokens <= 16 * 2**20
             assert row.prediction.tflops_per_gpu == pytest.approx(row.prediction.mfu / 100 * 2250)
 
 
@@ -96,6 +96,7 @@ def test_plan_cli(capsys, monkeypatch):
     (["--keep", "schedule=GPipe"], "the schedule model covers"),
     (["--keep", "ac=some"], "ac is one of"),
     (["--nodes", "1"], "nothing fits on 1 x 8 B200"),
+    (["--keep", "pp=3"], "the kept values exclude every PP degree"),
     (["--global-tokens", "4M-1M"], "--global-tokens '4M-1M': write MIN-MAX"),
 ])
 def test_plan_refusals(argv, message, capsys, monkeypatch):
@@ -109,9 +110,29 @@ def test_check_names_the_plans_best_layout_when_the_recipe_is_slower(capsys, mon
     """The flagship with nvshmem but its old layout (1F1B, 8 microbatches) is predicted more
     than 10% slower than the plan's best with EP 32 kept: `check` says so, with the overrides."""
     monkeypatch.chdir(REPO)
-    old = ["--moe_comm.backend", "nvshmem", "--parallelism.pipeline_parallel_schedule", "1F1B",
+    old = ["--parallelism.pipeline_parallel_schedule", "1F1B",
            "--training.local_batch_size", "8", "--moe_comm.overlap", "none",
            "--parallelism.pipeline_parallel_layers_per_stage", "None"]
     assert main(["check", "recipes/deepseek_v3_671b_b200.toml", "--skip-files", *old]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("plan "))
-    assert "faster on this cluster with nvshmem, EP 32 kept" in line and "--training.local_batch_size" in line
+    assert "faster on this cluster with nvshmem, EP 32 and the global batch kept" in line
+    assert "--parallelism.pipeline_parallel_degree 1" in line or "Interleaved" in line
+
+
+def test_check_is_quiet_on_the_flagship_it_planned(capsys, monkeypatch):
+    """The flagship carries the plan's best nvshmem layout with PP 8; the plan's best with its
+    EP and global batch (PP 1) is within 10%: no plan line."""
+    monkeypatch.chdir(REPO)
+    assert main(["check", "recipes/deepseek_v3_671b_b200.toml", "--skip-files"]) == 0
+    out = capsys.readouterr().out
+    assert "\nplan " not in out and "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
+
+
+def test_the_flagship_is_the_plans_best_nvshmem_layout():
+    """recipes/deepseek_v3_671b_b200.toml carries the plan's best nvshmem layout with EP 32 and
+    PP 8 kept, in the global batch range it was planned in (its header says how). When the
+    model's constants change, re-plan the recipe and regenerate results/scale_model.md."""
+    r = recipe.load(FLAGSHIP, [], device="cuda", check_paths=False)
+    req = plan_verb.request(r, backends=["nvshmem"], keep=["ep=32", "pp=8"], global_tokens="1M-4M")
+    best = planner.plan(req, calibration.calibrate(), top=1)["nvshmem"][0]
+    assert best.overrides == ["--moe_comm.backend", "nvshmem"], best.overrides

@@ -472,7 +472,9 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     linear_rate *= cal.gemm_efficiency
     comm = layer_comm(backend, w, cluster, cal)
     t_d, t_c, t_cb, t_db = (t.time_us * 1e-6 for t in comm.transfers)
-    sm_share = w.num_sms / gpu.sms if backend != "nccl" or w.overlap != "none" else 0.0
+    # the GPU share an overlapped comm kernel takes from the GEMMs beside it (NCCL's channels are
+    # assumed to take the same num_sms)
+    sm_share = w.num_sms / gpu.sms
     zero_bubble = pipe.name in schedule.ZERO_BUBBLE
     pp_rate = _pp_rate_gbps(w, cluster, cal) if lay.pp > 1 else 0.0
 
