@@ -49,6 +49,8 @@ CASES = [
     "capacity_overflow_raises",
     "cuda_graph_dispatch_dispatch_combine",
     "bad_input_errors",
+    "overlap_calls_in_flight",
+    "overlap_layer_matches_plain",
 ]
 ERROR_CASES = ["slot_overflow_raises", "hang_raises_on_every_rank"]
 # (ranks, virtual node size; 0 = the real node)

@@ -361,6 +361,20 @@ def test_recipe_refuses_dual_pipe_v_with_ac_before_launch(monkeypatch):
     assert not recipe.load("recipes/debug_cpu.toml", dual_pipe + off, device="cpu", nproc_per_node=4).plan.dual_pipe_v
 
 
+def test_overlap_is_part_of_the_run_name(monkeypatch):
+    from moe_comm import recipe
+    from moe_comm.metrics import naming
+
+    monkeypatch.chdir(REPO)
+
+    def name(*overrides):
+        r = recipe.load("recipes/deepseek_v3_671b_b200.toml", list(overrides), check_paths=False)
+        return naming.run_name(naming.run_identity(r.config, r.layout.nodes, r.layout.procs_per_node))
+
+    assert name() == "deepseek_v3_671b_b200-nccl-32x8-ep32-pp8-b8x4096"  # unchanged when off
+    assert name("--moe_comm.overlap", "chunked") == "deepseek_v3_671b_b200-nccl-chunked-32x8-ep32-pp8-b8x4096"
+
+
 def test_step_line_says_how_much_was_hidden():
     line = StepLine(step=3, total_steps=5, seconds_per_step=1.0, eta_s=2.0, loss=6.0, grad_norm=1.0,
                     tokens_per_s=100.0, mfu_pct=float("nan"), peak=resolve_peak("CPU", []), mem_gib=None,
@@ -411,3 +425,21 @@ def test_dual_pipe_v_and_chunked_match_plain_pp2_ep2(tmp_path):
 def test_chunked_matches_plain_ep2_full_ac(tmp_path):
     ranks = _train(tmp_path, "ep2_full_ac", 2, "plain,chunked", "--activation_checkpoint.mode", "full")
     _assert_variant_matches(ranks, "chunked", exact=False)
+
+
+# ---- the GPU cases, run on CPU: the cases themselves, not the streams ---------------------------
+
+def test_gpu_overlap_cases_run_on_cpu(world_of_one):
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import overlap_cases
+    from oracles import routing
+
+    def backend(num_experts, top_k, hidden):
+        return NcclBackend(MoELayerSpec(num_experts, top_k, hidden), dist.group.WORLD, MoEComm(backend="nccl"))
+
+    def route(T, E, K, mode, g):
+        return routing(T, E, K, mode, g, torch.device("cpu"))
+
+    cpu = torch.device("cpu")
+    overlap_cases.calls_in_flight(0, 1, cpu, route, backend(8, 2, 64), 64, 8, 2, iters=3)
+    overlap_cases.layer_matches_plain(0, 1, cpu, backend)
