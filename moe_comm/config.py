@@ -56,8 +56,9 @@ class MoEComm:
     combine run on the compute stream, as TorchTitan runs them. "chunked": each MoE layer
     splits its tokens in two halves whose dispatch and combine run on a side stream (the
     nvshmem/deepep kernels on their num_sms) while the other half's experts and the shared
-    experts compute; works with activation checkpointing and any pipeline schedule, costs a
-    second set of expert activations of half the size. DualPipeV's own EP overlap
+    experts compute; works with activation checkpointing and any pipeline schedule. The two
+    halves hold the same expert activations as one whole (plus each expert's alignment padding
+    twice), and the nvshmem buffers are sized for one half. DualPipeV's own EP overlap
     ([parallelism] pipeline_parallel_expert_parallel_overlap) is the other way; choose one."""
 
     peak_tflops: float = 0.0

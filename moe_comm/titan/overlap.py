@@ -18,8 +18,12 @@ Two ways, both driven from `TokenLevelMoE.forward` (moe_comm.titan.model):
   B around dispatch, C and D around combine, where TorchTitan's `DualPipeExpertParallel` puts
   them. TorchTitan's overlap callback runs one microbatch's forward and another's backward in two
   threads that meet at these points, so one thread's communication runs while the other
-  computes. Comm runs on C here too, so the nvshmem kernels (which run on the current stream)
-  do not queue behind the other thread's compute.
+  computes; only one thread issues communication between two points, so every rank issues it
+  in the same order. Comm runs on C here too, so the nvshmem kernels (which run on the current
+  stream) do not queue behind the other thread's compute. Each handoff marks its stream before
+  the sync point and waits after it, so neither thread's wait covers the other thread's next
+  work; autograd's own syncs at the backward's handoffs are made when a node returns, after the
+  point, and may cover a little of it (a cost in overlap, never in correctness).
 
 Why one comm stream per process, not one per layer: the nvshmem kernels share one set of
 symmetric buffers and per-kind call counters per process (csrc/runtime/buffers.h), so two of

@@ -4,9 +4,10 @@ It is `torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` s
 composed from TorchTitan's own functions (apply_non_moe_tp, apply_ac, apply_compile, apply_fsdp,
 apply_ddp), except that expert parallelism goes through `apply_backend_ep` (the [moe_comm]
 backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks, and DualPipeV's
-sync points go into our MoE layers (moe_comm.titan.overlap) instead of DualPipeExpertParallel. Before building, it
-asks the checks `check`, `submit` and `train` ran before launch (moe_comm.recipe.check_layout and
-the backend's check_run) again, with what the ranks see, rather than re-checking by hand.
+sync points go into our MoE layers (moe_comm.titan.overlap) instead of DualPipeExpertParallel.
+Before building, it asks the checks `check`, `submit` and `train` ran before launch
+(moe_comm.recipe.check_layout and the backend's check_run) again, with what the ranks see,
+rather than re-checking by hand.
 """
 
 import os
