@@ -39,6 +39,7 @@ class NcclHandle:
 
 class NcclBackend(CommBackend):
     name = "nccl"
+    overlap = ("none", "chunked")
 
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor

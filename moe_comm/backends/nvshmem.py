@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, RunPlan
+from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, RunPlan, tokens_per_call
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 from moe_comm.kernels import capacity
@@ -57,6 +57,7 @@ class NvshmemBackend(CommBackend):
     name = "nvshmem"
     cuda_only = True
     fp8_dispatch = True
+    overlap = ("none", "chunked")
     # What the kernels run (csrc/common/limits.h, read by moe_comm.kernels.limits).
     max_ranks = LIMITS.max_ranks  # ranks in one EP group
     max_ranks_per_node = LIMITS.max_ranks_per_node  # EP ranks per (virtual) node
@@ -176,8 +177,13 @@ class NvshmemBackend(CommBackend):
         return self.config.network_sms or max(1, self.config.num_sms // 2)
 
     def _start(self, x_TD: torch.Tensor) -> None:
+        # Buffers and capacities hold one call: under overlap = "chunked" a call is half a
+        # rank's tokens (the first call is already one).
+        tokens = x_TD.shape[0]
+        if self.config.max_tokens_per_rank:
+            tokens = tokens_per_call(self.config.max_tokens_per_rank, self.config.overlap)
         request = RuntimeRequest(
-            tokens=self.config.max_tokens_per_rank or x_TD.shape[0],
+            tokens=tokens,
             num_experts=self.layer.num_experts,
             top_k=self.layer.top_k,
             row_bytes=x_TD.shape[1] * x_TD.element_size(),
@@ -228,7 +234,8 @@ class NvshmemBackend(CommBackend):
         sizes = self.runtime.sizes
         if x_TD.shape[0] > sizes.tokens:
             raise ValueError(
-                f"{x_TD.shape[0]} tokens on this rank exceed [moe_comm] max_tokens_per_rank = {sizes.tokens}"
+                f"{x_TD.shape[0]} tokens in one call exceed the {sizes.tokens} that [moe_comm] max_tokens_per_rank = "
+                f"{self.config.max_tokens_per_rank} allows per call (overlap = {self.config.overlap!r})"
             )
         align = token_group_alignment()
         self.capacity = capacity.expert_rows(sizes.tokens, self.layer.num_experts, self.layer.top_k, self.ep_size,

@@ -3,9 +3,11 @@
 It is `torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` step for step,
 composed from TorchTitan's own functions (apply_non_moe_tp, apply_ac, apply_compile, apply_fsdp,
 apply_ddp), except that expert parallelism goes through `apply_backend_ep` (the [moe_comm]
-backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks. Before building, it
-asks the checks `check`, `submit` and `train` ran before launch (moe_comm.recipe.check_layout and
-the backend's check_run) again, with what the ranks see, rather than re-checking by hand.
+backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks, and DualPipeV's
+sync points go into our MoE layers (moe_comm.titan.overlap) instead of DualPipeExpertParallel.
+Before building, it asks the checks `check`, `submit` and `train` ran before launch
+(moe_comm.recipe.check_layout and the backend's check_run) again, with what the ranks see,
+rather than re-checking by hand.
 """
 
 import os
@@ -16,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import JobConfig, TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.dual_pipe_v import get_dual_pipe_v_flag
 from torchtitan.distributed.tensor_parallel import maybe_enable_async_tp
 from torchtitan.models.deepseek_v3.infra import parallelize as titan_dsv3
 from torchtitan.models.llama3.infra.parallelize import apply_ddp
@@ -27,6 +30,7 @@ from moe_comm.backends import backend_class
 from moe_comm.predict.estimate import Layout
 from moe_comm.titan import cpu
 from moe_comm.titan.expert_parallel import apply_backend_ep
+from moe_comm.titan.overlap import use_dual_pipe_v_sync_points
 
 
 def sac_save_list(backend: str) -> set:
@@ -109,6 +113,11 @@ def parallelize_deepseekv3_moe_comm(
         )
 
     apply_backend_ep(model, ep_mesh(parallel_dims), job_config.moe_comm)
+    # DualPipeV's EP overlap: TorchTitan wraps its ExpertParallel in DualPipeExpertParallel;
+    # our dispatch/combine live in TokenLevelMoE.forward, so its sync points go there. (Its
+    # refusal of activation checkpointing ran before launch, in the backend's check_run.)
+    if get_dual_pipe_v_flag(job_config, parallel_dims):
+        use_dual_pipe_v_sync_points(model)
 
     if parallel_dims.cp_enabled:
         from torchtitan.distributed.context_parallel import apply_cp_to_attention_module

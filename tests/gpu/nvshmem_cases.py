@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from case_runner import CaseLog, start_group  # noqa: E402
+import overlap_cases  # noqa: E402
 from oracles import (  # noqa: E402
     apply_experts,
     expert_params,
@@ -385,6 +386,18 @@ class Cases:
         else:
             assert self.world == 1, "num_experts not divisible by EP was accepted"
 
+    def overlap_calls_in_flight(self, hidden, num_experts, top_k, iters):
+        """The chunked overlap's calls by hand: two dispatches in flight on the comm stream, the
+        compute stream busy beside them (tests/gpu/overlap_cases.py)."""
+        overlap_cases.calls_in_flight(self.rank, self.world, self.device, self.route,
+                                      self.backend(num_experts, top_k, hidden), hidden, num_experts, top_k, iters)
+
+    def overlap_layer(self):
+        """A model of two MoE layers on these kernels: overlap "chunked" equals "none", with
+        activation checkpointing none, full and selective (tests/gpu/overlap_cases.py)."""
+        overlap_cases.layer_matches_plain(self.rank, self.world, self.device,
+                                          lambda e, k, h: self.backend(e, k, h))
+
     def hang(self):
         """Rank 1 skips one combine and then dispatches again: every rank must raise an error
         naming a peer within the timeout, and no kernel may be left spinning. Every process then
@@ -449,6 +462,8 @@ def main():
         log.run("capacity_overflow_raises", c.capacity_overflow)
         log.run("cuda_graph_dispatch_dispatch_combine", c.cuda_graph, 2048, 16 * W, 8)
         log.run("bad_input_errors", c.bad_input)
+        log.run("overlap_calls_in_flight", c.overlap_calls_in_flight, 2048, 16 * W, 8, 30)
+        log.run("overlap_layer_matches_plain", c.overlap_layer)
         if W == 1:
             log.run("moe_layer_ep1_against_nccl", c.moe_layer_ep1_against_nccl, 1024, 2048, 16, 4, 21)
     merged = log.merged()
