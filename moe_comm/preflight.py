@@ -74,14 +74,23 @@ class Pair:
     dst: int
     gbps: float  # 0 unless the probe arrived
     same_node: bool
-    status: str = "ok"  # "ok", "no probe" (src's probe never reached dst) or "not measured"
+    # "ok"; "no probe" (src's probe never reached dst); "untimed" (it came, but another pair
+    # failed and held the probes back: no rate); "not measured" (dst sent no report)
+    status: str = "ok"
 
 
 def pairs_from_times(received_ns: list[list[int] | None], bytes_: int, iters: int, ranks_per_node: int) -> list[Pair]:
     """received_ns[dst][src]: the time dst's step that received from src took (both directions
     of a step busy); -1 where src's probe never came, so no bandwidth is made up for it; None
-    for a rank that sent no report (its incoming pairs are not measured)."""
+    for a rank that sent no report (its incoming pairs are not measured).
+
+    A rank sends its next probe of a step only after it received its own previous one, so one
+    probe that never comes holds its receiver's later sends back by the timeout, and theirs in
+    turn: once any pair failed, the pairs that arrived are "untimed" (no rate is made up for
+    them either; the failed pairs are what the report names)."""
     world = len(received_ns)
+    lost = any(row is not None and any(ns <= 0 for s, ns in enumerate(row) if s != d)
+               for d, row in enumerate(received_ns))
     out = []
     for dst, row in enumerate(received_ns):
         for src in range(world):
@@ -90,10 +99,12 @@ def pairs_from_times(received_ns: list[list[int] | None], bytes_: int, iters: in
             same = src // ranks_per_node == dst // ranks_per_node
             if row is None:
                 out.append(Pair(src, dst, 0.0, same, "not measured"))
-            elif row[src] > 0:
-                out.append(Pair(src, dst, bytes_ * iters / (row[src] * 1e-9) / 1e9, same))
-            else:
+            elif row[src] <= 0:
                 out.append(Pair(src, dst, 0.0, same, "no probe"))
+            elif lost:
+                out.append(Pair(src, dst, 0.0, same, "untimed"))
+            else:
+                out.append(Pair(src, dst, bytes_ * iters / (row[src] * 1e-9) / 1e9, same))
     return out
 
 
@@ -127,6 +138,10 @@ def report(env: Environment, pairs: list[Pair], timeout_s: float, min_gbps: floa
         "comparing pairs, not a link's peak",
     ]
     measured = [p for p in pairs if p.status == "ok"]
+    untimed = sum(p.status == "untimed" for p in pairs)
+    if untimed:
+        lines.append(f"untimed     {untimed} pairs arrived, but the failed pairs held their probes back: "
+                     "no rates until the failures are fixed and the preflight runs again")
     for kind, same in (("NVLink (same node)", True), ("network (other nodes)", False)):
         rates = [p.gbps for p in measured if p.same_node == same]
         if rates:

@@ -154,7 +154,9 @@ def reports(tmp_path_factory):
     jobs = [(r, v, False) for r, v in LAYOUTS] + [(r, v, True) for r, v in ERROR_LAYOUTS]
     jobs = [j for j in jobs if not ONLY or _layout_id(*j) in ONLY]
     mps = Mps()
-    if any(r > gpus for r, _, _ in jobs):
+    # every launch counts, the preflights' 4 ranks too (run 13 started none for a subset of dead-pair
+    # preflights only, and the ranks time-sliced the GPU: rates 10x lower, the case still right)
+    if any(r > gpus for r in [4] + [r for r, _, _ in jobs] + [r for r, _ in DEAD_PAIR_LAYOUTS]):
         mps.start()
     results, port = {}, 29600
     try:
@@ -271,7 +273,8 @@ def test_preflight_names_a_rank_that_never_answers(reports, layout):
     pairs = report["pairs"]
     assert len(pairs) == ranks * (ranks - 1)
     assert all(p["status"] == "no probe" for p in pairs if p["src"] == 1)
-    assert all(p["status"] == "ok" and p["gbps"] > 0 for p in pairs if p["src"] != 1), pairs
+    # every other pair arrived; none gets a rate, since the missing probes held the others back
+    assert all(p["status"] == "untimed" for p in pairs if p["src"] != 1), pairs
     assert len(report["done_at"]) == ranks  # every rank reported, the silent one too
     late = report["ended_at"] - max(report["done_at"].values())
     assert late <= EXIT_BOUND_S, f"the last process ended {late:.1f} s after the probes (bound {EXIT_BOUND_S} s)"
