@@ -156,12 +156,24 @@ class TorchSymmAllToAll:
         return (back.view(T, self.K, -1).float() * w[:, :, None]).sum(dim=1).to(y.dtype)
 
 
+def timed_iterations(once, marks: int) -> list[tuple]:
+    """WARMUP untimed calls of once(None), then ITERS back-to-back calls of once(events), each
+    with its own `marks` CUDA events to record (no host sync in between): the events."""
+    events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(marks)) for _ in range(ITERS)]
+    for _ in range(WARMUP):
+        once(None)
+    torch.cuda.synchronize()
+    dist.barrier()
+    for ev in events:
+        once(ev)
+    torch.cuda.synchronize()
+    return events
+
+
 def time_backend(backend, x, idx, w, is_symm):
     """Median dispatch and combine times (us) over ITERS back-to-back iterations."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
-               torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
 
-    def once(ev=None):
+    def once(ev):
         if ev:
             ev[0].record()
         if is_symm:
@@ -177,13 +189,7 @@ def time_backend(backend, x, idx, w, is_symm):
             ev[2].record()
         return out
 
-    for _ in range(WARMUP):
-        once()
-    torch.cuda.synchronize()
-    dist.barrier()
-    for ev in events:
-        once(ev)
-    torch.cuda.synchronize()
+    events = timed_iterations(once, 3)
     d = statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in events)
     c = statistics.median(e[1].elapsed_time(e[2]) * 1e3 for e in events)
     return d, c
@@ -222,9 +228,8 @@ def time_fwd_bwd(backend, x, idx, w):
     gradients to x and to the routing weights, as the router needs)."""
     xg, wg = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
     grad_out = torch.randn_like(x)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
 
-    def once(ev=None):
+    def once(ev):
         if ev:
             ev[0].record()
         res = backend.dispatch(xg, idx, wg)
@@ -234,13 +239,7 @@ def time_fwd_bwd(backend, x, idx, w):
             ev[1].record()
         xg.grad, wg.grad = None, None
 
-    for _ in range(WARMUP):
-        once()
-    torch.cuda.synchronize()
-    dist.barrier()
-    for ev in events:
-        once(ev)
-    torch.cuda.synchronize()
+    events = timed_iterations(once, 2)
     return statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in events)
 
 
