@@ -149,7 +149,9 @@ def plan_section(cal, lines, data):
              "activation recompute": sum(ours.recompute_ms.values()), "exposed MoE communication": ours.terms_ms["moe comm"],
              "comm SM contention": ours.terms_ms["comm SM contention"], "PP sends": ours.terms_ms["pp p2p"],
              "pipeline bubble": ours.terms_ms["pp bubble"], "exposed FSDP collectives": ours.terms_ms["fsdp exposed"],
-             "optimizer step": ours.terms_ms["optimizer"], "GPU idle (launch gaps, host work)": ours.terms_ms["idle"]}
+             "optimizer step": ours.terms_ms["optimizer"],
+             "parameter and gradient copies (FSDP, PP accumulation)": ours.terms_ms["param copies"],
+             "GPU idle (launch gaps, host work)": ours.terms_ms["idle"]}
     for name, cost in planner.shortfall(ours):
         ms = terms.get(name)
         lines.append(f"| {name} | {cost:+,.0f} | {'' if ms is None else f'{ms:,.0f}'} |")

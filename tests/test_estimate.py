@@ -127,6 +127,17 @@ def test_check_cli_on_flagship(capsys, monkeypatch):
     assert "<- this recipe" in out and "expected fastest on this cluster:" in out
 
 
+def test_check_cli_on_the_one_gpu_recipe(capsys, monkeypatch):
+    """EP 1 on one H200: the scale model prices the backends' local work (deepep refused there),
+    and the memory line names autocast's weight copies instead of an FSDP working set."""
+    monkeypatch.chdir(REPO)
+    assert main(["check", "recipes/deepseek_v3_671b_h200x1.toml", "--skip-files"]) == 0
+    out = capsys.readouterr().out
+    assert "autocast's bf16 weight copies" in out and "no fully_shard" in out and "FSDP working set" not in out
+    assert "expert_parallel_degree 1" in out and "(refused at EP 1" in out
+    assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
+
+
 def test_check_cli_reports_errors(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert main(["check", "recipes/debug_cpu.toml", "--parallelism.expert_parallel_degree", "3"]) == 2

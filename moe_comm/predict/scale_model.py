@@ -570,7 +570,18 @@ class MoEShape:
     n_dense_layers: int = 0
 
 
+def refusal(backend: str, w: Workload) -> str:
+    """Why `check` would refuse the backend for the workload ("" where it runs), as moe_comm.recipe
+    and the backend's class say: our deepep backend does not pad expert segments, which the
+    grouped-GEMM converters need, and DeepEP has no EP 1 (one rank holds every expert)."""
+    if backend != "deepep":
+        return ""
+    if any(c.startswith("quantize.grouped_mm") for c in w.converters):
+        return "refused with these converters: no expert-segment padding"
+    if w.layout.ep == 1:
+        return "refused at EP 1: DeepEP needs peers"
+    return ""
+
+
 def runnable(backend: str, w: Workload) -> bool:
-    """Whether `check` lets the backend run the workload: our deepep backend does not pad expert
-    segments, which the grouped-GEMM converters need (moe_comm.recipe refuses the pair)."""
-    return not (backend == "deepep" and any(c.startswith("quantize.grouped_mm") for c in w.converters))
+    return not refusal(backend, w)
