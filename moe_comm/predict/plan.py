@@ -326,7 +326,7 @@ def shortfall(p: scale_model.StepPrediction, reference_tflops: float = MEGATRON_
              ("parameter and gradient copies (FSDP, PP accumulation)", t["param copies"]),
              ("GPU idle (launch gaps, host work)", t["idle"])]
     elapsed = t["gemm"] - redo["gemm"] + t["attention"] - redo["attention"]
-    out = [("the reference less matmuls and attention alone (at the model's efficiencies)",
+    out = [("the reference less matmuls and attention alone (at their measured times)",
             reference_tflops - flops / elapsed)]
     for name, ms in parts:
         if ms > 0:
