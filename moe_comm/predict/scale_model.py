@@ -8,9 +8,12 @@ It is built from three kinds of numbers, each listed with its source in `Calibra
     DeepEP V1) and for the all-to-all (one row per pick; nccl);
   * costs measured here on 2xH200 (results/h200x2): the kernels' per-op fixed cost and how it
     shrinks with the SM budget, their link efficiency, the layout kernels' HBM cost, the nccl
-    path's per-call and per-row costs, GEMM and attention efficiency, the memory-bound rest of
-    a step and its idle share, fitted by moe_comm.predict.calibration from the JSON files at run
-    time;
+    path's per-call and per-row costs and a step's idle share, fitted by
+    moe_comm.predict.calibration from the JSON files at run time;
+  * compute measured on one H200 (results/h200x1/layer_bench.json): every GEMM, attention and
+    memory-bound time of a rank's microbatch, part by part (moe_comm.predict.layer_compute); the
+    parameter-sized work no part times (optimizer, FSDP's and autocast's copies) by its bytes at
+    the layout kernels' HBM rate (moe_comm.predict.estimate.param_copy_bytes, optimizer_bytes);
   * link and peak rates read from datasheets and public measurements (NVLink, CX7 400 Gb/s,
     DeepEP V1's RDMA bandwidth, HBM, dense peaks).
 
