@@ -88,6 +88,12 @@ def _memory_line(mem: estimate.MemoryEstimate, r: recipe.Recipe) -> str:
         ends = (f"activations {mem.activations / G:.1f} ({mem.microbatches_in_flight:g} microbatches in flight, "
                 f"{mem.stages_per_rank} stage(s) per rank) + logits {mem.logits / G:.1f}"
                 if mem.peak_at == "end of forward" else f"sharded gradients {mem.gradients / G:.1f}")
+    elif not estimate.fsdp_applied(r.layout):  # one GPU: autocast, no fully_shard
+        held = (f"autocast's bf16 weight copies {mem.weight_copies / G:.1f} + "
+                if mem.peak_at == "end of forward" else "")
+        ends = (f"activations {mem.activations / G:.1f} + logits {mem.logits / G:.1f}"
+                if mem.peak_at == "end of forward" else f"fp32 gradients {mem.gradients / G:.1f}")
+        ends += " (no fully_shard at this layout)"
     else:
         held = f"FSDP working set {mem.fsdp_working_set / G:.1f} + "
         ends = (f"activations {mem.activations / G:.1f} + logits {mem.logits / G:.1f}"
@@ -136,10 +142,6 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     recipe's backend when it is predicted more than 10% faster."""
     from moe_comm.predict import calibration, scale_model
 
-    if r.layout.ep <= 1:
-        return [f"MoE comm    expert_parallel_degree 1: every expert on each rank, nothing crosses a link; the "
-                f"{r.config.moe_comm.backend} backend still lays the rows out expert-major and back (its dispatch "
-                "and combine), which the step line times"]
     if gpu == "cpu":
         return ["MoE comm    CPU recipe: the scale model prices GPU clusters (pass --gpu H200/H100/B200)"]
     if not gpu:
@@ -156,7 +158,11 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     ours = _model_backend(r)
     calls = first.moe_calls_per_step
     pipe = first.pipeline
-    lines = [
+    lines = [] if r.layout.ep > 1 else [
+        f"MoE comm    expert_parallel_degree 1: every expert on each rank, nothing crosses a link; the "
+        f"{r.config.moe_comm.backend} backend still lays the rows out expert-major and back (its dispatch "
+        "and combine), which the step line times and the scale model prices below"]
+    lines += [
         f"MoE comm    EP {r.layout.ep} over {w.ep_nodes} node(s) x {w.ranks_per_node} rank(s); routing "
         f"{w.routing}: {st.nodes_hit_per_token:.2f} nodes and {st.ranks_hit_per_token:.2f} ranks per token "
         f"(per-node dedup {st.node_dedup:.2f}x, per-rank {st.rank_dedup:.2f}x); {w.tokens_per_call} tokens per "
@@ -182,7 +188,7 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
     for name, p in preds.items():
         mark = "  <- this recipe" if name == ours else ""
         if not scale_model.runnable(name, w):
-            mark += "  (refused with these converters: no expert-segment padding)"
+            mark += f"  ({scale_model.refusal(name, w)})"
         lines.append(
             f"  {name:<13} {p.per_step('network_rows'):>13,.0f} {p.per_step('nvlink_rows'):>13,.0f} "
             f"{p.per_step('network_bytes') / 1e9:>11,.1f} {p.per_step('nvlink_bytes') / 1e9:>10,.1f} "

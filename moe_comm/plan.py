@@ -86,8 +86,7 @@ def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
     lines = []
     for backend, rows in rows_by_backend.items():
         if not rows:
-            why = ("refused with this recipe's converters (no expert-segment padding)"
-                   if not scale_model.runnable(backend, req.base) else "nothing fits")
+            why = scale_model.refusal(backend, req.base) or "nothing fits"
             lines.append(f"{backend}: no feasible layout: {why}")
             continue
         lines.append(f"{backend}: {len(rows)} best feasible layout(s), predicted")

@@ -64,6 +64,35 @@ def test_memory_peaks_hand_counted():
     assert big.peak_at == "end of forward" and big.total == big.forward_end
 
 
+def test_one_gpu_memory_hand_counted():
+    """World 1: no fully_shard (no working set, no gradient reduce) and autocast instead - bf16
+    copies of every weight but the embedding held to their backward (the routed experts' only
+    without AC), the residual stream's tensors in fp32 - checked term by term."""
+    flavors.register()
+    a = deepseekv3_args["671B_layers_1gpu"]
+    one = estimate.Layout(1, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+    assert not estimate.fsdp_applied(one) and estimate.autocast(one)
+    assert estimate.fsdp_applied(estimate.Layout(2, 1, 2, 1, 1, 1, 2, 1, 2, 1))  # EP borrows: fully_shard
+    assert not estimate.autocast(estimate.Layout(2, 1, 2, 1, 1, 1, 2, 1, 1, 1))  # TP without FSDP: fp32
+    p = estimate.count_params(a)
+    routed = 2 * 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim  # 2 MoE layers
+    none = estimate.memory_per_gpu(a, one, 2, SEQ, "none")
+    assert none.fsdp_working_set == 0 and none.grad_reduce == 0
+    assert none.params_and_optimizer == 12 * p.total and none.gradients == 4 * p.total
+    assert none.weight_copies == 2 * (p.total - p.embedding)
+    extra = [2 * 2 * a.dim + 2 * a.dim * 2, 2 * 2 * a.dim + 2 * a.dim * 3, 2 * 2 * a.dim + 2 * a.dim * 3]  # dense, MoE, MoE
+    bf16 = [estimate._act_bytes_per_token(a, i >= a.n_dense_layers) for i in range(3)]
+    assert none.activations == pytest.approx(2 * SEQ * (sum(bf16) + sum(extra)))
+    assert none.forward_end == pytest.approx(none.params_and_optimizer + none.weight_copies + none.activations
+                                             + none.logits)
+    full = estimate.memory_per_gpu(a, one, 2, SEQ, "full")
+    assert full.weight_copies == 2 * (p.total - p.embedding - routed)  # the experts' casts recomputed
+    assert full.peak_at == "end of backward" and full.total == 16 * p.total  # fp32 params, grads, moments
+    # measured on one H200 (results/h200x1): 99.8 GiB in use at 2 x 4096 without AC, 86.0 with full AC
+    assert none.total / estimate.GiB == pytest.approx(99.8, rel=0.05)
+    assert full.total / estimate.GiB == pytest.approx(86.0, rel=0.03)
+
+
 def test_memory_estimate_is_close_to_measured_16b():
     # results/h200x2: 16B, FSDP 2, EP 2, 1 x 4096, full AC: 119.5 GiB in use, 127.5 reserved
     lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
@@ -96,6 +125,17 @@ def test_check_cli_on_flagship(capsys, monkeypatch):
         assert f"\n  {backend} " in out
     assert "network rows" in out and "NVLink GB" in out and "MFU" in out
     assert "<- this recipe" in out and "expected fastest on this cluster:" in out
+
+
+def test_check_cli_on_the_one_gpu_recipe(capsys, monkeypatch):
+    """EP 1 on one H200: the scale model prices the backends' local work (deepep refused there),
+    and the memory line names autocast's weight copies instead of an FSDP working set."""
+    monkeypatch.chdir(REPO)
+    assert main(["check", "recipes/deepseek_v3_671b_h200x1.toml", "--skip-files"]) == 0
+    out = capsys.readouterr().out
+    assert "autocast's bf16 weight copies" in out and "no fully_shard" in out and "FSDP working set" not in out
+    assert "expert_parallel_degree 1" in out and "(refused at EP 1" in out
+    assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
 
 
 def test_check_cli_reports_errors(capsys, monkeypatch):

@@ -1,8 +1,9 @@
-"""moe_comm.predict.layer_compute on a made-up layer benchmark (every part's time invented, so
-each rule can be redone on paper): a workload at a measured shape sums its parts, other shapes
-scale by their work, other GPUs by datasheet peak ratios, AC modes by the stated rules; the
-refusals; the step model's compute terms come from it once a benchmark is recorded; and neither
-loading nor pricing reads the anchors' table."""
+"""moe_comm.predict.layer_compute on a made-up layer benchmark (tests/layer_bench_fakes.py: every
+part's time invented, so each rule can be redone on paper): a workload at a measured shape sums
+its parts, other shapes, TP degrees and flavors scale by their work, other GPUs by datasheet peak
+ratios, float8 by the measured ceilings where the compiled part is missing, AC modes by the
+stated rules; what was not run is said; the refusals; the step model's compute terms are its;
+and neither loading nor pricing reads the anchors' table."""
 
 import json
 from dataclasses import replace
@@ -10,47 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm.predict import calibration, estimate, layer_compute, scale_model
+from layer_bench_fakes import CEILINGS, TIMES, hand_calibration, write_bench
+from moe_comm.predict import calibration, layer_compute, scale_model
 from moe_comm.predict.assumptions import VALIDATION
-from moe_comm.predict.calibration import Calibration, OpCost
-from moe_comm.predict.routing_plan import routing_statistics
-
-NAMES = ["rmsnorm", "residual_add", "router", "embedding", "shared_expert", "dense_ffn", "output_loss",
-         "attention.module.flex", "attention.core.flex", "attention.module.sdpa", "attention.core.sdpa",
-         *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled") for r in ("balanced", "node_limited")]]
-# made-up (fwd ms, bwd ms, recompute ms) per part: distinct so a wrong pick shows
-TIMES = {n: (1.0 + i, 2.0 * (1.0 + i), 1.5 + i) for i, n in enumerate(NAMES)}
-for impl in ("flex", "sdpa"):  # the module holds its kernel: 5 ms more forward, 9 backward, 4 recompute
-    core = TIMES[f"attention.core.{impl}"]
-    TIMES[f"attention.module.{impl}"] = (core[0] + 5.0, core[1] + 9.0, core[2] + 4.0)
-CEILINGS = {"bf16_gemm": {"tflops": 700.0}, "fp8_rowwise_gemm": {"tflops": 1100.0}, "copy": {"tbs": 4.2}}
-
-
-def _case(name, seq, tp, routing):
-    tokens_sp = seq // tp
-    rows = {}
-    for r in ("balanced", "node_limited"):
-        st = routing_statistics(r, 32, 8, 256, 8)
-        rows[r] = {"rows": st.max["expert_rows"] * tokens_sp}
-    return {"name": name, "flavor": "671B", "seq_len": seq, "sequences": 1, "tp": tp, "ep": 32, "routing": routing,
-            "tokens": seq, "tokens_sp": tokens_sp, "received_rows": rows}
-
-
-def _part(case, name, t):
-    return {"case": case, "name": name, "status": "ok", "ms": {"fwd": {"median": t[0]}, "bwd": {"median": t[1]},
-                                                              "recompute": t[2]}}
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    cases = {"flagship": _case("flagship", 4096, 1, "node_limited"), "nebius": _case("nebius", 8192, 2, "balanced")}
-    parts = [_part(c, n, (t[0] * k, t[1] * k, t[2] * k)) for c, k in (("flagship", 1.0), ("nebius", 3.0))
-             for n, t in TIMES.items()]
-    doc = {"schema": layer_compute.SCHEMA, "settings": {"tiny": False}, "machine": {"device": "NVIDIA H200"},
-           "peaks": {"measured": CEILINGS}, "cases": cases, "parts": parts}
-    path = tmp_path_factory.mktemp("lc") / "layer_bench.json"
-    path.write_text(json.dumps(doc))
-    return layer_compute.load(path)
+    return write_bench(tmp_path_factory.mktemp("lc") / "layer_bench.json")
 
 
 def _workload(tp=1, pp=8, seq=4096, microbatch=1, ac="none", converters=(), routing="node_limited"):
@@ -143,18 +111,59 @@ def test_other_shapes_scale_by_their_work(bench):
     assert tp2.parts["experts"] == pytest.approx(28 * 3 * _f("experts.bf16.balanced"))
 
 
+def test_float8_without_its_compiled_part_takes_the_measured_ceiling_ratio(tmp_path):
+    """The device run measured the eager float8 grouped GEMM but not the compiled one the float8
+    recipes run: the bf16 part x bf16 / fp8 ceilings stands in (never the eager figure), and the
+    notes say so; on a B200, MXFP8 takes the same rule at the 8-bit peak ratio."""
+    lacking = write_bench(tmp_path / "lb.json", skip=("experts.fp8.compiled.balanced", "experts.fp8.compiled.node_limited"))
+    h = _rank(lacking, _workload(converters=("quantize.grouped_mm.float8",)))
+    bf16 = _rank(lacking, _workload())
+    ratio = CEILINGS["bf16_gemm"]["tflops"] / CEILINGS["fp8_rowwise_gemm"]["tflops"]
+    assert h.parts["experts"] == pytest.approx(bf16.parts["experts"] * ratio)
+    assert h.parts["experts"] != pytest.approx(5 * _f("experts.fp8.node_limited"))  # the eager part is not used
+    assert layer_compute.FP8_GROUPED_NOTE in h.notes and layer_compute.FP8_GROUPED_NOTE not in bf16.notes
+    b = _rank(lacking, _workload(converters=("quantize.grouped_mm.mx",)), "B200")
+    assert b.parts["experts"] == pytest.approx(bf16.parts["experts"] * ratio * 1979 / 4500)
+    assert layer_compute.MXFP8_ASSUMPTION.name in b.notes
+
+
+def test_what_was_not_run_stands_in_and_is_said(tmp_path):
+    """FlexAttention's parts did not run on the device: SDPA's stand in at the same shape, noted."""
+    noflex = write_bench(tmp_path / "lb.json", skip=("attention.core.flex", "attention.module.flex"))
+    c = _rank(noflex, _workload())
+    core = TIMES["attention.core.sdpa"]
+    assert c.terms["attention"] == pytest.approx([8 * core[0], 8 * core[1], 0.0])
+    assert any("flex not measured" in n and "SDPA's time stands in" in n for n in c.notes)
+
+
+def test_another_flavor_and_tp_scale_by_their_work(bench):
+    """16B's layer shapes (dim 2048, no q LoRA, 16 heads) from the 671B case: each part x the
+    ratio of its work (flops, or tokens x dim); TP 4 from the TP 2 case; both noted."""
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    a16, a671 = deepseekv3_args["16B"], deepseekv3_args["671B"]
+    w16 = replace(_workload(pp=1), args=a16)
+    c = _rank(bench, w16, layers=(0, 1), embedding=False)
+    dense = TIMES["dense_ffn"][0] + TIMES["dense_ffn"][1]
+    # 8 sequences of the same length against the case's one
+    assert c.parts["dense_ffn"] == pytest.approx(8 * dense * (a16.dim * a16.inter_dim) / (a671.dim * a671.inter_dim))
+    norm = TIMES["rmsnorm"][0] + TIMES["rmsnorm"][1]
+    assert c.parts["rmsnorm"] == pytest.approx(2 * 2 * 8 * norm * a16.dim / a671.dim)  # 8 sequences, 2 layers
+    heads = lambda a: a.n_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)  # noqa: E731
+    core = TIMES["attention.core.flex"][0] + TIMES["attention.core.flex"][1]
+    assert c.parts["attention.core"] == pytest.approx(2 * 8 * core * heads(a16) / heads(a671))
+    assert any("layer shapes differ" in n for n in c.notes)
+    tp4 = _rank(bench, _workload(tp=4, pp=2, seq=8192, routing="balanced"), layers=tuple(range(31)))
+    assert tp4.parts["dense_ffn"] == pytest.approx(3 * 3 * dense / 2)  # the TP 2 case's, half the hidden
+    assert any("TP 4 not measured" in n for n in tp4.notes)
+
+
 def test_refusals(bench, tmp_path):
-    with pytest.raises(layer_compute.NotCovered, match="no case at TP 4"):
-        _rank(bench, _workload(tp=4))
+    cp = replace(_workload(), layout=replace(_workload().layout, cp=2))
+    with pytest.raises(layer_compute.NotCovered, match="context parallel"):
+        _rank(bench, cp)
     with pytest.raises(ValueError, match="need a B200"):
         _rank(bench, _workload(converters=("quantize.grouped_mm.mx",)))
-    w16 = replace(_workload(), args=scale_model.workload_from_spec(
-        {"gpu": "H200", "nodes": 1, "gpus_per_node": 2, "workload": {
-            "flavor": "16B", "ep": 2, "local_batch": 1, "seq_len": 4096, "ac_mode": "full", "routing": "random"}})[0].args)
-    with pytest.raises(layer_compute.NotCovered, match="differs in"):
-        _rank(bench, w16)
-    rank = estimate.pipeline_ranks(w16.args, w16.layout, 8, 1, "1F1B")[0]
-    assert layer_compute.priced(bench, w16, "H200", rank) is None  # the step model then uses the fitted terms
     gone = replace(bench, parts={k: v for k, v in bench.parts.items() if k != ("flagship", "dense_ffn")})
     with pytest.raises(ValueError, match="dense_ffn not measured.*--resume"):
         _rank(gone, _workload())
@@ -164,14 +173,8 @@ def test_refusals(bench, tmp_path):
         layer_compute.load(tiny)
 
 
-def test_step_model_takes_its_compute_from_the_bench(bench):
-    cal = Calibration(
-        p2p_gbps=400.0, nvlink_copy_efficiency=1.0, kernel_floor_us=10.0,
-        ops={"dispatch": OpCost(0.5, 1.0), "combine": OpCost(0.25, 2.0)},
-        deepep_ops={"dispatch": OpCost(0.5, 3.0), "combine": OpCost(0.25, 4.0)},
-        expand=(0.001, 0.002), reduce=(0.003, 0.004), layout_hbm_efficiency=0.5,
-        nccl_call_us=1000.0, nccl_row_us=0.02, nccl_backward_row_us=0.04,
-        gemm_efficiency=0.5, attention_efficiency=0.25, memory_bytes_factor=2.0, idle_ratio=0.1, layer_bench=bench)
+def test_step_model_takes_its_compute_from_the_bench(bench, tmp_path):
+    cal = hand_calibration(bench)
     w = _workload(pp=1, ac="full")  # one pipeline rank: every layer, the embedding and the output
     cluster = scale_model.cluster_for("B200", 32, 8, cal)
     p = scale_model.predict("nvshmem", w, cluster, cal)
@@ -179,9 +182,12 @@ def test_step_model_takes_its_compute_from_the_bench(bench):
     for term in ("gemm", "attention", "memory-bound"):
         assert p.terms_ms[term] == pytest.approx(sum(c.terms[term]))
         assert p.recompute_ms[term] == pytest.approx(c.recompute[term])
-    assert p.compute_source == "layer bench"
-    fitted = scale_model.predict("nvshmem", w, cluster, replace(cal, layer_bench=None))
-    assert fitted.compute_source == "fitted" and fitted.terms_ms["gemm"] != pytest.approx(p.terms_ms["gemm"])
+    assert p.compute_source == "layer bench"  # every part measured
+    noflex = write_bench(tmp_path / "lb.json", skip=("attention.core.flex", "attention.module.flex"))
+    q = scale_model.predict("nvshmem", w, cluster, hand_calibration(noflex))
+    assert q.compute_source.startswith("layer bench (not measured there: attention kernel: flex")
+    with pytest.raises(ValueError, match="layer benchmark"):
+        scale_model.predict("nvshmem", w, cluster, hand_calibration(None))
 
 
 def test_pricing_never_reads_the_anchors(bench, monkeypatch):
@@ -201,12 +207,35 @@ def test_pricing_never_reads_the_anchors(bench, monkeypatch):
     assert "nebius" not in names and "anchor" not in names and "fitted" not in names
 
 
-def test_calibration_loads_a_recorded_bench(bench, monkeypatch):
+def test_calibration_loads_the_recorded_bench_and_needs_it(bench, monkeypatch, tmp_path):
     monkeypatch.setattr(layer_compute, "BENCH", bench.path)
     calibration.calibrate.cache_clear()
     try:
         cal = calibration.calibrate()
+        assert cal.layer_bench is not None and cal.layer_bench.path == bench.path
+        assert any("layer parts measured" in a.name for a in cal.assumptions)
+        # the fitted compute constants are gone: no GEMM, attention or memory-bound efficiency
+        assert not [a for a in cal.assumptions if "efficiency" in a.name and "GEMM" in a.name]
+        monkeypatch.setattr(layer_compute, "BENCH", tmp_path / "absent.json")
+        calibration.calibrate.cache_clear()
+        with pytest.raises(FileNotFoundError, match="absent.json.*layer_bench.py run"):
+            calibration.calibrate()
     finally:
         calibration.calibrate.cache_clear()
-    assert cal.layer_bench is not None and cal.layer_bench.path == bench.path
-    assert any("layer parts measured" in a.name for a in cal.assumptions)
+
+
+def test_the_recorded_bench_prices_the_flagship_and_says_what_it_lacks():
+    """results/h200x1/layer_bench.json as recorded on the device: FlexAttention and the compiled
+    float8 grouped GEMM did not run; the flagship's prediction says so."""
+    from moe_comm import recipe
+
+    bench = layer_compute.load()
+    assert bench.part("flagship", "attention.core.sdpa") and not bench.part("flagship", "attention.core.flex")
+    assert not bench.part("flagship", "experts.fp8.compiled.node_limited")
+    cal = calibration.calibrate()
+    for path, lacks in (("recipes/deepseek_v3_671b_b200.toml", ("flex not measured",)),
+                        ("recipes/deepseek_v3_671b_b200_mxfp8.toml", ("flex not measured", "float8 grouped GEMM"))):
+        r = recipe.load(path, [], device="cuda", check_paths=False)
+        w = scale_model.workload_from_recipe(r)
+        p = scale_model.predict("nvshmem", w, scale_model.cluster_for("B200", 32, 8, cal), cal)
+        assert all(x in p.compute_source for x in lacks), p.compute_source

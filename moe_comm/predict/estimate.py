@@ -31,9 +31,18 @@ Memory (per GPU, bytes) is written down term by term so it can be argued with:
   * without PP, activations and gradients never peak together (`MemoryEstimate`): the peak in
     use is the end of the forward pass or the end of the backward pass, whichever is larger, and the
     caching allocator reserves more than that (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM).
+  * without fully_shard (`fsdp_applied`: dp_shard x cp = 1 and EP 1, e.g. one GPU) there is no
+    working set and no gradient reduce: TorchTitan trains under torch.autocast instead
+    (`autocast`), with fp32 parameters. Autocast keeps a bf16 copy of every weight it casts until
+    the weight's backward (its cast cache, and the grouped GEMM's explicit casts saved for
+    backward; the embedding is not cast, and under AC the experts' casts are recomputed), and the
+    residual stream stays fp32 (`_autocast_extra_bytes_per_token`). With TP or PP but no
+    fully_shard TorchTitan turns mixed precision off: activations in fp32.
 Checked against the 2xH200 runs in results/h200x2 (results/scale_model.md, memory rows): the
 peak in use within 3% for the bf16 runs (16B at 1 x 4096 full AC: 119.5 GiB in use, 127.5
-reserved; the 671B-shaped layers at 4 x 4096 without AC: 102.9 in use, 137.4 reserved).
+reserved; the 671B-shaped layers at 4 x 4096 without AC: 102.9 in use, 137.4 reserved), and the
+one-GPU recipe's runs in results/h200x1 (world 1, autocast; AC none/selective/full, local batch
+1 and 2: 86.0-103.3 GiB in use) within 6%.
 """
 
 from dataclasses import dataclass
@@ -132,6 +141,28 @@ def _act_bytes_per_token(a, moe_layer: bool) -> float:
     return 2 * (attn + moe) + 4 * m.num_experts
 
 
+def fsdp_applied(layout: Layout) -> bool:
+    """Whether TorchTitan wraps the model in fully_shard: deepseek_v3's parallelize does when
+    FSDP or CP shard (dp_shard x cp > 1) or EP borrows from them (ep > 1)."""
+    return layout.dp_shard * layout.cp > 1 or layout.ep > 1
+
+
+def autocast(layout: Layout) -> bool:
+    """Whether TorchTitan trains under torch.autocast (maybe_enable_amp: without fully_shard, and
+    with neither TP nor PP, where it turns mixed precision off)."""
+    return not fsdp_applied(layout) and layout.tp == 1 and layout.pp == 1
+
+
+def _autocast_extra_bytes_per_token(a, moe_layer: bool) -> float:
+    """What autocast adds to `_act_bytes_per_token` in one layer: the residual stream is fp32
+    (the embedding's output, and every residual add of a bf16 output to it), so both norms save
+    fp32 inputs (+2 B x dim each), and each norm's output is cast to bf16 by every linear that
+    reads it, each cast saved for that linear's backward: attention's wq_a and wkv_a (one copy
+    more than counted), the MoE's router gate and shared experts' w1 and w3 (two more; the
+    dispatch's copy is the counted one), the dense FFN's w1 and w3 (one more)."""
+    return 2 * 2 * a.dim + 2 * a.dim * (1 + (2 if moe_layer else 1))
+
+
 # The caching allocator keeps what it freed: torch's max_reserved exceeds the peak in use by
 # about this many bytes per parameter of the output projection (vocab x dim / tp). Fitted by
 # moe_comm.predict.validation.fit_allocator_cache over the 2xH200 memory figures of
@@ -155,9 +186,10 @@ class MemoryEstimate:
 
     params_and_optimizer: float  # fp32 params + AdamW moments, 12 B/param, sharded
     gradients: float  # fp32 sharded gradients, 4 B/param
-    fsdp_working_set: float  # bf16 params unsharded: two units, or with PP all the rank's
+    fsdp_working_set: float  # bf16 params unsharded: two units, or with PP all the rank's (0 without fully_shard)
     grad_reduce: float  # unsharded gradients: the largest unit's bf16 + fp32, or with PP all the rank's fp32
     activations: float
+    weight_copies: float  # autocast's bf16 copies of the weights, held to their backward (0 under fully_shard)
     logits: float
     allocator_cache: float  # reserved beyond the peak in use (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM)
     pipelined: bool = False  # PP: gradients accumulate while microbatches are in flight
@@ -168,7 +200,7 @@ class MemoryEstimate:
     def forward_end(self) -> float:
         """The most activations alive; with PP, the accumulating gradients are there too (the
         first microbatch's backward precedes the last one's forward)."""
-        held = self.params_and_optimizer + self.fsdp_working_set + self.activations + self.logits
+        held = self.params_and_optimizer + self.fsdp_working_set + self.weight_copies + self.activations + self.logits
         return held + (self.grad_reduce if self.pipelined else 0.0)
 
     @property
@@ -266,6 +298,7 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
     else:
         unit = p.per_block_max / layout.tp
     cp_tp = layout.tp * layout.cp
+    sharded = fsdp_applied(layout)
     if rank is None:
         fsdp_working_set = 2 * 2 * unit
         grad_reduce = (2 + 4) * unit
@@ -279,17 +312,27 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
         # each parameter's unsharded gradient in fp32 until the stage's REDUCE_GRAD: both for
         # all the rank's blocks (and its embedding / output), alive while microbatches are
         # in flight
-        held = sum(_block_unit(a, layout, i) for i in rank.layers)
-        held += (int(rank.embedding) + int(rank.output)) * a.vocab_size * a.dim / layout.tp
+        held = rank_unsharded_params(a, layout, rank)
         fsdp_working_set = 2 * held
         grad_reduce = 4 * held
         layers = rank.layers
         tokens_one_mb = microbatch * seq_len
         in_flight = rank.pipe.microbatches_in_flight(rank.rank)
         tokens = in_flight * tokens_one_mb
-    per_token = [_act_bytes_per_token(a, i >= a.n_dense_layers) / cp_tp for i in layers]
+    amp = autocast(layout)
+    weight_copies = 0.0
+    act_scale, layer_input = (1.0, 2) if sharded or amp else (2.0, 4)  # no mixed precision: fp32 activations
+    if not sharded:  # no fully_shard: no unsharded copies to gather, no gradient reduce
+        fsdp_working_set = grad_reduce = 0.0
+        if amp:  # autocast's bf16 weight copies (the experts' only without AC: under AC they are recomputed)
+            routed = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim * sum(1 for i in layers if i >= a.n_dense_layers)
+            weight_copies = 2 * (p.total - p.embedding - (routed if ac_mode != "none" else 0))
+            layer_input = 4  # the residual stream is fp32
+    per_token = [act_scale * (_act_bytes_per_token(a, i >= a.n_dense_layers)
+                              + (_autocast_extra_bytes_per_token(a, i >= a.n_dense_layers) if amp else 0.0)) / cp_tp
+                 for i in layers]
     if ac_mode == "full":
-        activations = tokens * len(per_token) * 2 * a.dim / cp_tp + tokens_one_mb * max(per_token, default=0.0)
+        activations = tokens * len(per_token) * layer_input * a.dim / cp_tp + tokens_one_mb * max(per_token, default=0.0)
     elif ac_mode == "selective":
         activations = 0.5 * tokens * sum(per_token)
     else:
@@ -300,39 +343,51 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
     return MemoryEstimate(
         params_and_optimizer=12 * p.total / shard, gradients=4 * p.total / shard,
         fsdp_working_set=fsdp_working_set, grad_reduce=grad_reduce, activations=activations,
-        logits=logits, allocator_cache=cache, pipelined=rank is not None,
+        weight_copies=weight_copies, logits=logits, allocator_cache=cache, pipelined=rank is not None,
         microbatches_in_flight=in_flight, stages_per_rank=rank.pipe.v if rank else 1,
     )
 
 
-# ---------------------------------------------------------- what the step model prices per token
+# ---------------------------------------------------------- what the step model prices per step
 
 
-def matmul_flops_per_token(a) -> float:
-    """TorchTitan's parameter flops (6 x active params less the embedding)."""
-    p = count_params(a)
-    return 6 * (p.active - p.embedding)
+def rank_unsharded_params(a, layout: Layout, rank: PipelineRank | None) -> float:
+    """Parameters of a rank's FSDP units as fully_shard all-gathers them (every layer without PP):
+    each block's routed experts over ep and the rest whole, the embedding and output projection
+    where the rank holds them, all over tp."""
+    layers = rank.layers if rank else range(a.n_layers)
+    outer = (int(rank.embedding) + int(rank.output)) if rank else 2
+    return sum(_block_unit(a, layout, i) for i in layers) + outer * a.vocab_size * a.dim / layout.tp
 
 
-def expert_flops_per_token(a) -> float:
-    m = a.moe_args
-    return 6 * 3 * a.dim * a.moe_inter_dim * m.top_k * (a.n_layers - a.n_dense_layers)
-
-
-def attention_flops_per_token(a, seq_len: int) -> float:
-    """Causal attention flops executed: half of TorchTitan's 6 x layers x heads x head dims x seq."""
-    head_dims = a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim
-    return 0.5 * 6 * a.n_layers * a.n_heads * head_dims * seq_len
-
-
-def memory_bound_bytes_per_token(a) -> float:
-    """A proxy for the memory-bound kernels' traffic: the activation bytes a token leaves in
-    every layer without AC (above) plus the logits (fp32 + bf16)."""
-    per_layer = sum(_act_bytes_per_token(a, i >= a.n_dense_layers) for i in range(a.n_layers))
-    return per_layer + a.vocab_size * 6
+def param_copy_bytes(a, layout: Layout, rank: PipelineRank | None, microbatches: int) -> float:
+    """HBM bytes per step of the parameter- and gradient-sized copies no layer part times, on the
+    rank holding `rank`'s layers (None: every layer, no PP):
+      * under fully_shard without PP, per parameter of the rank's units: the all-gather's copy-out
+        (read + write bf16) in the forward and again in the backward (TorchTitan reshards after
+        forward), and the bf16 gradient cast to the fp32 reduce dtype into the reduce-scatter's
+        input: 4 + 4 + 6 = 14 B;
+      * under fully_shard with PP: one all-gather copy-out (4 B), the first microbatch's gradient
+        cast to fp32 (6 B), every later microbatch's fp32 += bf16 accumulation (10 B each;
+        FSDP2's unsharded_accumulated_grad while torch's pipeline skips the gradient sync) and the
+        reduce-scatter's input copy of the fp32 sum (8 B);
+      * under autocast (one GPU): every weight but the embedding cast to bf16 in the forward
+        (read fp32, write bf16) and its gradient cast back in the backward: 12 B;
+      * without mixed precision: none."""
+    if fsdp_applied(layout):
+        held = rank_unsharded_params(a, layout, rank)
+        if layout.pp > 1:
+            return held * (4 + 6 + 10 * max(microbatches - 1, 0) + 8)
+        return held * (4 + 4 + 6)
+    if autocast(layout):
+        p = count_params(a)
+        return 12 * (p.total - p.embedding)
+    return 0.0
 
 
 def optimizer_bytes(params: float) -> float:
-    """Fused AdamW reads param, grad, two moments and writes three (28 B/param); the grad-norm
-    clip reads the gradients once more (4 B/param)."""
-    return 32 * params
+    """Per sharded parameter: fused AdamW reads param, grad and two moments and writes three
+    (28 B), the gradient-norm clip reads the gradients for the norm (4 B) and scales them in place
+    (8 B; torch's clip_grads_with_norm_ multiplies even when the factor clamps to 1). The three
+    kernels of the one-GPU step profiles (results/h200x1/one_gpu_training/profiles)."""
+    return 40 * params

@@ -8,9 +8,12 @@ It is built from three kinds of numbers, each listed with its source in `Calibra
     DeepEP V1) and for the all-to-all (one row per pick; nccl);
   * costs measured here on 2xH200 (results/h200x2): the kernels' per-op fixed cost and how it
     shrinks with the SM budget, their link efficiency, the layout kernels' HBM cost, the nccl
-    path's per-call and per-row costs, GEMM and attention efficiency, the memory-bound rest of
-    a step and its idle share, fitted by moe_comm.predict.calibration from the JSON files at run
-    time;
+    path's per-call and per-row costs and a step's idle share, fitted by
+    moe_comm.predict.calibration from the JSON files at run time;
+  * compute measured on one H200 (results/h200x1/layer_bench.json): every GEMM, attention and
+    memory-bound time of a rank's microbatch, part by part (moe_comm.predict.layer_compute); the
+    parameter-sized work no part times (optimizer, FSDP's and autocast's copies) by its bytes at
+    the layout kernels' HBM rate (moe_comm.predict.estimate.param_copy_bytes, optimizer_bytes);
   * link and peak rates read from datasheets and public measurements (NVLink, CX7 400 Gb/s,
     DeepEP V1's RDMA bandwidth, HBM, dense peaks).
 
@@ -25,7 +28,7 @@ collectives overlap compute except the first all-gather and the last reduce-scat
 
 from dataclasses import dataclass
 
-from moe_comm.metrics.peaks import low_precision_converters, table_peaks
+from moe_comm.metrics.peaks import table_peaks
 from moe_comm.predict import estimate, layer_compute, schedule
 from moe_comm.predict.assumptions import READ, REPO
 from moe_comm.predict.calibration import Calibration
@@ -335,7 +338,9 @@ class StepPrediction:
     moe_comm_ms: float  # all MoE communication of a step on that rank, exposed or hidden
     peak_tflops: float  # the GPU's dense bf16 peak, which mfu is a share of
     recompute_ms: dict  # of terms_ms' gemm, attention and memory-bound: the activation-checkpoint recompute
-    compute_source: str = "fitted"  # "layer bench" where results/h200x1/layer_bench.json priced the compute
+    # what priced the compute: "layer bench" (results/h200x1/layer_bench.json), with what it did not
+    # measure and what stood in (moe_comm.predict.layer_compute's notes)
+    compute_source: str = "layer bench"
 
     @property
     def comm_exposed_ms(self) -> float:
@@ -389,35 +394,6 @@ def _chunk_us(t: Transfer) -> float:
     return t.host_us + t.fixed_us + (max(t.nvlink_us, t.network_us) + t.layout_us) / 2
 
 
-@dataclass(frozen=True)
-class RankWork:
-    """What one pipeline rank computes per token of a microbatch, forward pass only."""
-
-    matmul_flops: float  # TorchTitan's parameter flops (x 1/3 of 6: forward only)
-    expert_flops: float  # of which the routed experts
-    shared_flops: float  # of which the shared experts
-    attention_flops: float
-    memory_bytes: float  # the memory-bound kernels' traffic proxy (calibrated over the whole step)
-    layers: int
-    moe_layers: int
-
-
-def rank_work(a, layers, output: bool) -> RankWork:
-    """Forward work per token of the given layers (and the output projection if held)."""
-    m = a.moe_args
-    n_moe = sum(1 for i in layers if i >= a.n_dense_layers)
-    n_dense = len(layers) - n_moe
-    routed = 3 * a.dim * a.moe_inter_dim * m.top_k
-    shared = 3 * a.dim * a.moe_inter_dim * m.num_shared_experts
-    moe_active = estimate._moe_block_params(a) - 3 * m.num_experts * a.dim * a.moe_inter_dim + routed
-    params = n_dense * estimate._dense_block_params(a) + n_moe * moe_active + (a.dim * a.vocab_size + a.dim) * output
-    head_dims = a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim
-    mem = sum(estimate._act_bytes_per_token(a, i >= a.n_dense_layers) for i in layers) + a.vocab_size * 6 * output
-    return RankWork(matmul_flops=2 * params, expert_flops=2 * n_moe * routed, shared_flops=2 * n_moe * shared,
-                    attention_flops=0.5 * 2 * len(layers) * a.n_heads * head_dims, memory_bytes=mem,
-                    layers=len(layers), moe_layers=n_moe)
-
-
 def _fsdp_ms(w: Workload, cluster: Cluster, cal: Calibration, v: int) -> tuple[float, float]:
     """(total, exposed at best) FSDP collective time per step: bf16 all-gathers (twice without
     PP: TorchTitan reshards after forward) and fp32 reduce-scatters, over NVLink or the network.
@@ -464,12 +440,9 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
         raise ValueError("the DualPipeV expert-parallel overlap needs pipeline_parallel_schedule DualPipeV and "
                          "activation_checkpoint mode none (TorchTitan refuses it with AC)")
     T = w.tokens_per_call
-    recompute = {"full": 1.0, "selective": 0.5, "none": 0.0}[w.ac_mode]
-    low = low_precision_converters(list(w.converters))
-    expert_rate = (gpu.fp8_tflops if any("grouped_mm" in c for c in low) else gpu.bf16_tflops) * 1e12
-    linear_rate = (gpu.fp8_tflops if any("linear" in c for c in low) else gpu.bf16_tflops) * 1e12
-    expert_rate *= cal.gemm_efficiency
-    linear_rate *= cal.gemm_efficiency
+    if cal.layer_bench is None:
+        raise ValueError("the step model prices compute from the layer benchmark (results/h200x1/layer_bench.json, "
+                         "moe_comm.predict.layer_compute); this calibration has none")
     comm = layer_comm(backend, w, cluster, cal)
     t_d, t_c, t_cb, t_db = (t.time_us * 1e-6 for t in comm.transfers)
     # the GPU share an overlapped comm kernel takes from the GEMMs beside it (NCCL's channels are
@@ -478,29 +451,17 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     zero_bubble = pipe.name in schedule.ZERO_BUBBLE
     pp_rate = _pp_rate_gbps(w, cluster, cal) if lay.pp > 1 else 0.0
 
-    sources: set[str] = set()  # what priced the ranks' compute
+    notes: list[str] = []  # what the layer benchmark did not measure, and what stood in
 
     def per_microbatch(rank) -> dict:
         """Seconds per microbatch on one rank, each as (f, bi, bw)."""
-        k = rank_work(a, rank.layers, rank.output)
-        measured = layer_compute.priced(cal.layer_bench, w, gpu.name, rank)
-        if measured is not None:  # the one-GPU layer parts (moe_comm.predict.layer_compute)
-            terms = measured.seconds()
-            gemm, attn, mem = (terms[t][0] for t in ("gemm", "attention", "memory-bound"))
-            rec = {t: v / 1e3 for t, v in measured.recompute.items()}
-            shared, experts = (measured.moe_layer_fwd[p] / 1e3 for p in ("shared_expert", "experts"))
-            sources.add("layer bench")
-        else:  # efficiencies fitted to the 2xH200 training profiles (moe_comm.predict.calibration)
-            gemm = T * ((k.matmul_flops - k.expert_flops) / linear_rate + k.expert_flops / expert_rate)
-            attn = T * k.attention_flops * w.seq_len / (gpu.bf16_tflops * 1e12 * cal.attention_efficiency)
-            mem = T * cal.memory_bytes_factor * k.memory_bytes / (gpu.hbm_tbs * 1e12) / 3  # a third forward
-            terms = {"gemm": (gemm, gemm + recompute * gemm, gemm),
-                     "attention": (attn, 2 * attn + recompute * attn, 0.0),
-                     "memory-bound": (mem, 2 * mem + recompute * mem, 0.0)}
-            rec = {"gemm": recompute * gemm, "attention": recompute * attn, "memory-bound": recompute * mem}
-            shared = T * k.shared_flops / max(k.moe_layers, 1) / expert_rate
-            experts = T * k.expert_flops / max(k.moe_layers, 1) / expert_rate
-            sources.add("fitted")
+        measured = layer_compute.rank_ms(cal.layer_bench, w, gpu.name, rank.layers, rank.embedding, rank.output)
+        terms = measured.seconds()
+        gemm, attn, mem = (terms[t][0] for t in ("gemm", "attention", "memory-bound"))
+        rec = {t: v / 1e3 for t, v in measured.recompute.items()}
+        shared, experts = (measured.moe_layer_fwd[p] / 1e3 for p in ("shared_expert", "experts"))
+        notes.extend(n for n in measured.notes if n not in notes)
+        n_layers = len(rank.layers)
         # one MoE layer: its comm, exposed and hidden, and the compute it can hide behind
         bwd = 1.0 if zero_bubble else 2.0  # the experts' backward beside the comm: dgrad (+ wgrad)
         fwd_all, bwd_all = t_d + t_c, t_cb + t_db
@@ -518,7 +479,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
             # in an OVERLAP_F_B pair each of the forward chunk's comm ops runs beside half of the
             # backward chunk's layer compute, and the other way round (TorchTitan alternates one
             # compute and one comm op of the two threads)
-            layer_f = (gemm + attn + mem) / max(k.layers, 1)
+            layer_f = (gemm + attn + mem) / max(n_layers, 1)
             layer_b = 2 * layer_f
             share = pipe.overlapped_pairs / (2 * pipe.microbatches)
             ef = sum(max(0.0, t - layer_b / 2) for t in (t_d, t_c))
@@ -527,7 +488,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
             sb = sum(max(t - layer_f / 2, t * sm_share) - max(0.0, t - layer_f / 2) for t in (t_cb, t_db))
             hidden = {"f": share * (fwd_all - ef), "b": share * (bwd_all - eb)}
             slow = {"f": share * sf, "b": share * sb}
-        L = k.moe_layers
+        L = sum(1 for i in rank.layers if i >= a.n_dense_layers)
         moe_f = L * (fwd_all - hidden["f"])
         moe_b = L * (bwd_all - hidden["b"]) + (L * (fwd_all - hidden["f"]) if w.comm_recomputed else 0.0)
         slow_f = L * slow["f"]
@@ -539,13 +500,13 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
         tp = 0.0
         if lay.tp > 1:
             coll_bytes = T * lay.tp * a.dim * 2 * (lay.tp - 1) / lay.tp
-            tp = 4 * coll_bytes / (_nccl_nvlink_gbps(cluster, cal) * 1e9) * k.layers
+            tp = 4 * coll_bytes / (_nccl_nvlink_gbps(cluster, cal) * 1e9) * n_layers
         terms["tp comm"] = (tp, tp * (1 + (1 if w.ac_mode == "full" else 0)), 0.0)
         # activations forward and their gradients back, at every stage boundary the rank crosses
         pp = pipe.sends_per_microbatch * T * a.dim * 2 / (pp_rate * 1e9) if lay.pp > 1 else 0.0
         terms["pp p2p"] = (pp, pp, 0.0)
         hid = L * (hidden["f"] + hidden["b"] + (hidden["f"] if w.comm_recomputed else 0.0))
-        return {"terms": terms, "hidden": hid, "moe_layers": L,
+        return {"terms": terms, "hidden": hid, "moe_layers": L, "rank": rank,
                 "recompute": rec,
                 "moe_all": L * (fwd_all + bwd_all + (fwd_all if w.comm_recomputed else 0.0))}
 
@@ -558,12 +519,15 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     p = estimate.count_params(a)
     opt_s = optimizer_bytes(p.total / (lay.dp_shard * lay.cp * lay.tp * lay.pp)) / (
         cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12)
+    hbm_rate = cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12  # what the optimizer and copies reach
+    copies_s = estimate.param_copy_bytes(a, lay, work["rank"] if lay.pp > 1 else None, m) / hbm_rate
     fsdp_total_ms, fsdp_least_ms = _fsdp_ms(w, cluster, cal, pipe.v)
     compute_ms = sum(sum(terms3[k]) for k in ("gemm", "attention", "memory-bound")) * m * 1e3
     fsdp_exposed_ms = min(fsdp_total_ms, fsdp_least_ms + max(0.0, fsdp_total_ms - compute_ms))
     terms = {k: sum(v) * m * 1e3 for k, v in terms3.items()}
     terms["pp bubble"] = pipe.bubble(f, bi, bw) * 1e3 if lay.pp > 1 else 0.0
     terms["optimizer"] = opt_s * 1e3
+    terms["param copies"] = copies_s * 1e3
     terms["fsdp exposed"] = fsdp_exposed_ms
     # launch gaps and host work scale with the work, not with the bubble's waiting
     terms["idle"] = (sum(terms.values()) - terms["pp bubble"]) * cal.idle_ratio
@@ -577,7 +541,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
         step_ms=step_ms, tokens_per_s_per_gpu=tps, mfu=mfu, moe_calls_per_step=work["moe_layers"] * m,
         pipeline=pipe, moe_comm_ms=work["moe_all"] * m * 1e3, peak_tflops=gpu.bf16_tflops,
         recompute_ms={k: v * m * 1e3 for k, v in work["recompute"].items()},
-        compute_source=" and ".join(sorted(sources)),
+        compute_source="layer bench" + (f" (not measured there: {'; '.join(notes)})" if notes else ""),
     )
 
 
@@ -609,7 +573,18 @@ class MoEShape:
     n_dense_layers: int = 0
 
 
+def refusal(backend: str, w: Workload) -> str:
+    """Why `check` would refuse the backend for the workload ("" where it runs), as moe_comm.recipe
+    and the backend's class say: our deepep backend does not pad expert segments, which the
+    grouped-GEMM converters need, and DeepEP has no EP 1 (one rank holds every expert)."""
+    if backend != "deepep":
+        return ""
+    if any(c.startswith("quantize.grouped_mm") for c in w.converters):
+        return "refused with these converters: no expert-segment padding"
+    if w.layout.ep == 1:
+        return "refused at EP 1: DeepEP needs peers"
+    return ""
+
+
 def runnable(backend: str, w: Workload) -> bool:
-    """Whether `check` lets the backend run the workload: our deepep backend does not pad expert
-    segments, which the grouped-GEMM converters need (moe_comm.recipe refuses the pair)."""
-    return not (backend == "deepep" and any(c.startswith("quantize.grouped_mm") for c in w.converters))
+    return not refusal(backend, w)
