@@ -37,6 +37,8 @@ SHAPES = {
     "dsv3_random": (4096, 7168, 8, 256, "random"),
     "dsv3_balanced": (4096, 7168, 8, 256, "balanced"),
     "decode_random": (128, 7168, 8, 256, "random"),
+    # one MoE layer of recipes/deepseek_v3_671b_h200x1.toml at world 1: 2 x 4096 tokens, 32 experts
+    "one_gpu_recipe": (8192, 7168, 8, 32, "random"),
 }
 WARMUP, ITERS = 10, 50
 P2P_BYTES = 1 << 30
@@ -154,12 +156,24 @@ class TorchSymmAllToAll:
         return (back.view(T, self.K, -1).float() * w[:, :, None]).sum(dim=1).to(y.dtype)
 
 
+def timed_iterations(once, marks: int) -> list[tuple]:
+    """WARMUP untimed calls of once(None), then ITERS back-to-back calls of once(events), each
+    with its own `marks` CUDA events to record (no host sync in between): the events."""
+    events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(marks)) for _ in range(ITERS)]
+    for _ in range(WARMUP):
+        once(None)
+    torch.cuda.synchronize()
+    dist.barrier()
+    for ev in events:
+        once(ev)
+    torch.cuda.synchronize()
+    return events
+
+
 def time_backend(backend, x, idx, w, is_symm):
     """Median dispatch and combine times (us) over ITERS back-to-back iterations."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
-               torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
 
-    def once(ev=None):
+    def once(ev):
         if ev:
             ev[0].record()
         if is_symm:
@@ -175,13 +189,7 @@ def time_backend(backend, x, idx, w, is_symm):
             ev[2].record()
         return out
 
-    for _ in range(WARMUP):
-        once()
-    torch.cuda.synchronize()
-    dist.barrier()
-    for ev in events:
-        once(ev)
-    torch.cuda.synchronize()
+    events = timed_iterations(once, 3)
     d = statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in events)
     c = statistics.median(e[1].elapsed_time(e[2]) * 1e3 for e in events)
     return d, c
@@ -212,6 +220,27 @@ def transport_split(row: dict) -> dict:
             "layout_us": local["dispatch"] + local["combine"],
             "transport_dispatch_link_gbps": link_bytes / (t_d * 1e-6) / 1e9,
             "transport_combine_link_gbps": link_bytes / (t_c * 1e-6) / 1e9}
+
+
+def time_fwd_bwd(backend, x, idx, w):
+    """Median time (us) of what a training step's MoE layer asks of a backend: dispatch and
+    combine forward, then both backwards (experts as the identity, a fixed output gradient;
+    gradients to x and to the routing weights, as the router needs)."""
+    xg, wg = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    grad_out = torch.randn_like(x)
+
+    def once(ev):
+        if ev:
+            ev[0].record()
+        res = backend.dispatch(xg, idx, wg)
+        out = backend.combine(res.recv_x_RD * 1.0, res.handle)
+        out.backward(grad_out)
+        if ev:
+            ev[1].record()
+        xg.grad, wg.grad = None, None
+
+    events = timed_iterations(once, 2)
+    return statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in events)
 
 
 def round_trip(backend, x, idx, w):
@@ -294,6 +323,7 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
                 else:
                     backend = build(name, E, K, D, group, max(num_sms, 1), max_tokens, options)
                 d_us, c_us = time_backend(backend, x, idx, w, name == "torch_symm")
+                fwd_bwd_us = 0.0 if name == "torch_symm" else time_fwd_bwd(backend, x, idx, w)
                 graph_us = time_graph_round_trip(backend, x, idx, w) if name == "nvshmem" else 0.0
                 kernels = time_kernels(backend, x, idx, w) if name == "nvshmem" else {}
             except Exception as e:  # noqa: BLE001 - a backend that cannot run is recorded
@@ -303,14 +333,15 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
                 continue
             link = dedup if name in ("nvshmem", "deepep") else per_expert
             link_bytes = link * D * 2
-            stats = torch.tensor([d_us, c_us, float(link_bytes), graph_us, *kernels.values()])
+            stats = torch.tensor([d_us, c_us, float(link_bytes), graph_us, fwd_bwd_us, *kernels.values()])
             gathered = [None] * world
             dist.all_gather_object(gathered, stats)
-            kernel_max = {k: max(float(g[4 + i]) for g in gathered) for i, k in enumerate(kernels)}
+            kernel_max = {k: max(float(g[5 + i]) for g in gathered) for i, k in enumerate(kernels)}
             # The slowest rank bounds the op; bytes are this rank's outgoing ones (symmetric routing).
             d_max = max(float(g[0]) for g in gathered)
             c_max = max(float(g[1]) for g in gathered)
             graph_max = max(float(g[3]) for g in gathered)
+            fwd_bwd_max = max(float(g[4]) for g in gathered)
             entry.update({
                 "num_sms": num_sms if name == "nvshmem" else None,
                 "options": options if name == "nvshmem" else None,
@@ -319,6 +350,7 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
                 "sms_note": None if name == "nvshmem" else "library-managed (NCCL channels / torch kernels)",
                 "dispatch_us": d_max, "combine_us": c_max, "round_trip_us": d_max + c_max,
                 "round_trip_graph_us": graph_max or None,
+                "fwd_bwd_us": fwd_bwd_max or None,
                 "link_rows_per_rank": link, "link_bytes_per_rank": link_bytes,
                 "dispatch_link_gbps": link_bytes / (d_max * 1e-6) / 1e9,
                 "combine_link_gbps": link_bytes / (c_max * 1e-6) / 1e9,
@@ -330,7 +362,7 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
             if rank == 0:
                 print(f"{name:>10} sms={num_sms:>3} {shape:>14}: dispatch {d_max:8.1f} us  combine {c_max:8.1f} us"
                       f"  link {entry['dispatch_link_gbps']:6.1f}/{entry['combine_link_gbps']:6.1f} GB/s"
-                      f"  graph round trip {graph_max:8.1f} us", flush=True)
+                      f"  graph round trip {graph_max:8.1f} us  forward+backward {fwd_bwd_max:8.1f} us", flush=True)
                 if kernel_max:
                     print(f"{'':>10} kernels (us): " + "  ".join(f"{k} {v:.1f}" for k, v in kernel_max.items())
                           + f"  transport {entry['transport_dispatch_us']:.1f} + {entry['transport_combine_us']:.1f} us"

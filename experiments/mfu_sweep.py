@@ -60,6 +60,11 @@ class RunSpec:
     local_batch_size: int | None = None  # None: the recipe's own
     seq_len: int | None = None
     instrumented: bool = True
+    dispatch_dtype: str | None = None  # None: the recipe's own [moe_comm] dispatch_dtype
+    overrides: list[str] = field(default_factory=list)  # this run's own TorchTitan overrides
+    # tells apart runs that are otherwise the same: what the overrides change (e.g. "acfull"),
+    # or a repeat
+    tag: str = ""
 
     @property
     def name(self) -> str:
@@ -68,8 +73,12 @@ class RunSpec:
             parts.append(f"b{self.local_batch_size}")
         if self.seq_len is not None:
             parts.append(f"s{self.seq_len}")
+        if self.dispatch_dtype is not None:
+            parts.append(self.dispatch_dtype)
         if not self.instrumented:
             parts.append("noinst")
+        if self.tag:
+            parts.append(self.tag)
         return "-".join(parts)
 
 
@@ -118,9 +127,11 @@ def train_command(args: argparse.Namespace, spec: RunSpec, dump_folder: Path) ->
         cmd += ["--training.local_batch_size", str(spec.local_batch_size)]
     if spec.seq_len is not None:
         cmd += ["--training.seq_len", str(spec.seq_len)]
+    if spec.dispatch_dtype is not None:
+        cmd += ["--moe_comm.dispatch_dtype", spec.dispatch_dtype]
     # offline W&B runs where wandb is importable (it is not in the GPU image unless carried)
     cmd += ["--metrics.enable_wandb" if args.wandb else "--metrics.no-enable-wandb"]
-    return cmd + list(args.overrides)
+    return cmd + list(spec.overrides) + list(args.overrides)
 
 
 def _failure_kind(log_text: str, returncode: int) -> str:

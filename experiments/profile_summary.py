@@ -21,6 +21,9 @@ CATEGORIES = [
 ]
 
 
+TOP = 40  # kernels listed by name
+
+
 def category(name: str) -> str:
     for cat, keys in CATEGORIES:
         if any(k in name for k in keys):
@@ -50,6 +53,7 @@ def summarize(trace_path: Path) -> dict:
         span_end = max(k["ts"] + k["dur"] for k in kernels)
     span = span_end - span_start
     by_cat: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     intervals = []
     for k in kernels:
         a, b = max(k["ts"], span_start), min(k["ts"] + k["dur"], span_end)
@@ -57,6 +61,7 @@ def summarize(trace_path: Path) -> dict:
             continue
         cat = category(k["name"])
         by_cat[cat] = by_cat.get(cat, 0.0) + (b - a)
+        by_name[k["name"]] = by_name.get(k["name"], 0.0) + (b - a)
         intervals.append((a, b))
     busy = union_length(intervals)
     return {
@@ -65,6 +70,9 @@ def summarize(trace_path: Path) -> dict:
         "kernel_time_share": {c: t / span for c, t in sorted(by_cat.items())},
         "gpu_busy_share": busy / span,
         "gpu_idle_share": 1 - busy / span,
+        # the kernels that take the most time, by name (first 160 characters), for a breakdown
+        # finer than the categories (the MoE layer's permute, grouped GEMM, attention...)
+        "top_kernels_ms": {name[:160]: t / 1e3 for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP]},
     }
 
 

@@ -11,6 +11,7 @@ import sys
 VERBS = {
     "train": ("moe_comm.launch", "validate a recipe, then train it (torchrun on one node, srun per node under Slurm)"),
     "check": ("moe_comm.check", "validate a recipe; print its layout, memory estimate and per-backend comm and MFU predictions"),
+    "plan": ("moe_comm.plan", "rank the layouts a recipe could run on a cluster, per backend, by predicted tok/s/GPU"),
     "assets": ("moe_comm.assets", "fetch a recipe's tokenizer and dataset from the Hugging Face hub, or say what is missing"),
     "submit": ("moe_comm.cluster.submit", "render the Slurm job for a recipe and sbatch it"),
     "report": ("moe_comm.report", "plots and a markdown table comparing runs' metrics"),

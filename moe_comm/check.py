@@ -1,7 +1,7 @@
 """`python -m moe_comm check RECIPE.toml`: validate a recipe without starting anything, then
-print its resolved parallel layout, a per-GPU memory estimate (moe_comm.estimate) and, per
+print its resolved parallel layout, a per-GPU memory estimate (moe_comm.predict.estimate) and, per
 backend, the scale model's MoE traffic, comm time and MFU on the recipe's cluster
-(moe_comm.scale_model).
+(moe_comm.predict.scale_model).
 
 A recipe error (a bad field, a layout that cannot work) stops it at once (exit 2). What only
 this machine lacks (the tokenizer, the data, a writable dump folder: moe_comm.files) does not:
@@ -10,7 +10,8 @@ is 1 while any remains. `train` and `submit` refuse the same blockers."""
 
 import argparse
 
-from moe_comm import estimate, gpus, recipe
+from moe_comm import gpus, recipe
+from moe_comm.predict import estimate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,11 +53,17 @@ def report(r: recipe.Recipe) -> str:
     args = recipe.flavor_args(c)
     params = estimate.count_params(args)
     t = c.training
-    mem = estimate.memory_per_gpu(
-        args, lay, t.local_batch_size, t.seq_len, c.activation_checkpoint.mode,
-        microbatch=c.parallelism.pipeline_parallel_microbatch_size,
-    )
     G = estimate.GiB
+    try:
+        mem = estimate.memory_per_gpu(
+            args, lay, t.local_batch_size, t.seq_len, c.activation_checkpoint.mode,
+            microbatch=c.parallelism.pipeline_parallel_microbatch_size,
+            pp_schedule=c.parallelism.pipeline_parallel_schedule,
+            layers_per_stage=c.parallelism.pipeline_parallel_layers_per_stage,
+        )
+    except ValueError as e:  # a pipeline schedule torch would refuse, or the model does not cover
+        mem = None
+        memory_line = f"memory/GPU  not estimated: {e}"
     lines = [
         f"recipe      {r.path}",
         f"model       {c.model.name} flavor {c.model.flavor}: {params.total / 1e9:.2f}B params, "
@@ -68,12 +75,7 @@ def report(r: recipe.Recipe) -> str:
         f"backend     {c.moe_comm.backend} (num_sms {c.moe_comm.num_sms}) on {r.device}",
         f"batch       local {t.local_batch_size} x seq {t.seq_len}, AC {c.activation_checkpoint.mode}, "
         f"converters {c.model.converters or 'none'}",
-        f"memory/GPU  {mem.total / G:.1f} GiB in use at its peak ({mem.peak_at}): params + AdamW "
-        f"{mem.params_and_optimizer / G:.1f} (12 B/param sharded) + FSDP working set {mem.fsdp_working_set / G:.1f} + "
-        + (f"activations {mem.activations / G:.1f} + logits {mem.logits / G:.1f}"
-           if mem.peak_at == "end of forward" else
-           f"gradients {mem.gradients / G:.1f} + gradient reduce {mem.grad_reduce / G:.1f}")
-        + f"; reserved by the allocator ~{mem.reserved / G:.1f}; {_verdict(mem.total / G, r)}",
+        memory_line if mem is None else _memory_line(mem, r),
     ]
     known = gpus.lookup(r.plan.gpu)
     gpu = "cpu" if r.device == "cpu" else (known.model if known else "")
@@ -83,15 +85,41 @@ def report(r: recipe.Recipe) -> str:
     return "\n".join(lines)
 
 
+def _memory_line(mem: estimate.MemoryEstimate, r: recipe.Recipe) -> str:
+    G = estimate.GiB
+    if mem.pipelined:
+        held = (f"unsharded stage params {mem.fsdp_working_set / G:.1f} + their fp32 gradients "
+                f"{mem.grad_reduce / G:.1f} + ")
+        ends = (f"activations {mem.activations / G:.1f} ({mem.microbatches_in_flight:g} microbatches in flight, "
+                f"{mem.stages_per_rank} stage(s) per rank) + logits {mem.logits / G:.1f}"
+                if mem.peak_at == "end of forward" else f"sharded gradients {mem.gradients / G:.1f}")
+    elif not estimate.fsdp_applied(r.layout):  # one GPU: autocast, no fully_shard
+        held = (f"autocast's bf16 weight copies {mem.weight_copies / G:.1f} + "
+                if mem.peak_at == "end of forward" else "")
+        ends = (f"activations {mem.activations / G:.1f} + logits {mem.logits / G:.1f}"
+                if mem.peak_at == "end of forward" else f"fp32 gradients {mem.gradients / G:.1f}")
+        ends += " (no fully_shard at this layout)"
+    else:
+        held = f"FSDP working set {mem.fsdp_working_set / G:.1f} + "
+        ends = (f"activations {mem.activations / G:.1f} + logits {mem.logits / G:.1f}"
+                if mem.peak_at == "end of forward" else
+                f"gradients {mem.gradients / G:.1f} + gradient reduce {mem.grad_reduce / G:.1f}")
+    at = "with the most microbatches in flight" if mem.pipelined and mem.peak_at == "end of forward" else mem.peak_at
+    where = at + (", busiest pipeline rank" if mem.pipelined else "")
+    return (f"memory/GPU  {mem.total / G:.1f} GiB in use at its peak ({where}): "
+            f"params + AdamW {mem.params_and_optimizer / G:.1f} (12 B/param sharded) + {held}{ends}"
+            f"; reserved by the allocator ~{mem.reserved / G:.1f}; {_verdict(mem.total / G, r)}")
+
+
 def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
     """The nvshmem backend's buffers, sized from the recipe as its runtime will size them."""
     from moe_comm.kernels import capacity
 
     c = r.config
-    if c.moe_comm.backend != "nvshmem" or r.layout.ep <= 1:
+    if c.moe_comm.backend != "nvshmem":
         return []
-    from moe_comm.routing_plan import GROUPED_GEMM_ALIGNMENT
-    from moe_comm.scale_model import workload_from_recipe
+    from moe_comm.predict.routing_plan import GROUPED_GEMM_ALIGNMENT
+    from moe_comm.predict.scale_model import workload_from_recipe
 
     mc, t, lay = c.moe_comm, c.training, r.layout
     w = workload_from_recipe(r)  # tokens per MoE call and ranks per (virtual) node, as the model counts them
@@ -113,48 +141,64 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
 
 
 def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
-    """Per backend: the hierarchy, rows and bytes per phase per step, comm time, step and MFU
-    from moe_comm.scale_model on this recipe's cluster, and the backend it expects to win."""
-    from moe_comm import scale_calibration, scale_model
+    """Per backend: the hierarchy, rows and bytes per phase per step, comm time, step, TFLOPS
+    and MFU from moe_comm.predict.scale_model on this recipe's cluster, the pipeline as the
+    schedule model sees it, the backend it expects to win, and the plan's best layout for the
+    recipe's backend when it is predicted more than 10% faster."""
+    from moe_comm.predict import calibration, scale_model
 
-    if r.layout.ep <= 1:
-        return ["MoE comm    expert_parallel_degree 1: no dispatch/combine traffic"]
     if gpu == "cpu":
         return ["MoE comm    CPU recipe: the scale model prices GPU clusters (pass --gpu H200/H100/B200)"]
     if not gpu:
         return ["MoE comm    GPU not known here: set [cluster] gpu or pass --gpu for the scale model's predictions"]
     try:
-        cal = scale_calibration.calibrate()
+        cal = calibration.calibrate()
         w = scale_model.workload_from_recipe(r)
         cluster = scale_model.cluster_for(gpu, r.layout.nodes, r.layout.procs_per_node, cal)
         preds = scale_model.predict_all(w, cluster, cal)
     except (OSError, KeyError, ValueError) as e:
         return [f"MoE comm    scale model unavailable ({type(e).__name__}: {e}); results/h200x2 holds its inputs"]
-    st = next(iter(preds.values())).comm.stats
-    ours = r.config.moe_comm.backend + ("-fp8" if r.config.moe_comm.backend == "nvshmem"
-                                        and r.config.moe_comm.dispatch_dtype == "fp8" else "")
-    calls = next(iter(preds.values())).moe_calls_per_step
-    lines = [
+    first = next(iter(preds.values()))
+    st = first.comm.stats
+    ours = _model_backend(r)
+    calls = first.moe_calls_per_step
+    pipe = first.pipeline
+    lines = [] if r.layout.ep > 1 else [
+        f"MoE comm    expert_parallel_degree 1: every expert on each rank, nothing crosses a link; the "
+        f"{r.config.moe_comm.backend} backend still lays the rows out expert-major and back (its dispatch "
+        "and combine), which the step line times and the scale model prices below"]
+    lines += [
         f"MoE comm    EP {r.layout.ep} over {w.ep_nodes} node(s) x {w.ranks_per_node} rank(s); routing "
         f"{w.routing}: {st.nodes_hit_per_token:.2f} nodes and {st.ranks_hit_per_token:.2f} ranks per token "
         f"(per-node dedup {st.node_dedup:.2f}x, per-rank {st.rank_dedup:.2f}x); {w.tokens_per_call} tokens per "
-        f"MoE call, {calls:g} MoE layer-microbatches per step on this rank, "
-        f"{'6 transfers each (full AC re-runs the forward ones)' if w.comm_recomputed else '4 transfers each'}",
+        f"MoE call, {calls:g} MoE layer-microbatches per step on the busiest rank, "
+        f"{'6 transfers each (full AC re-runs the forward ones)' if w.comm_recomputed else '4 transfers each'}; "
+        f"overlap {w.overlap}",
+    ]
+    if r.layout.pp > 1:
+        lines.append(
+            f"pipeline    PP {r.layout.pp} {pipe.name}, {pipe.v} stage(s) per rank, {pipe.microbatches} microbatches; "
+            f"up to {pipe.peak_chunks / pipe.v:g} microbatches in flight on a rank; PP sends "
+            f"{2 * pipe.sends_per_microbatch * pipe.microbatches * w.tokens_per_call * w.args.dim * 2 / 1e9:.1f} GB "
+            "per rank and step (activations and gradients); bubble "
+            f"{preds[ours].terms_ms['pp bubble'] / preds[ours].step_ms:.0%} of the step ({ours}; "
+            "moe_comm.predict.schedule)")
+    lines += [
         f"scale model {gpu}, {cluster.nodes} x {cluster.gpus_per_node}; NVLink {cluster.nvlink_copy_gbps:.0f} GB/s, "
-        f"network {cluster.network_gbps:.0f} GB/s per GPU (sources and errors: results/scale_model.md); per rank "
-        "and step:",
+        f"network {cluster.network_gbps:.0f} GB/s per GPU (predictions; sources and errors: results/scale_model.md); "
+        "per rank and step:",
         f"  {'backend':<13} {'network rows':>13} {'NVLink rows':>13} {'network GB':>11} {'NVLink GB':>10} "
-        f"{'comm s':>8} {'exposed s':>10} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}",
+        f"{'comm s':>8} {'exposed s':>10} {'step s':>8} {'tok/s/GPU':>10} {'TFLOPS':>7} {'MFU':>6}",
     ]
     for name, p in preds.items():
         mark = "  <- this recipe" if name == ours else ""
         if not scale_model.runnable(name, w):
-            mark += "  (refused with these converters: no expert-segment padding)"
+            mark += f"  ({scale_model.refusal(name, w)})"
         lines.append(
             f"  {name:<13} {p.per_step('network_rows'):>13,.0f} {p.per_step('nvlink_rows'):>13,.0f} "
             f"{p.per_step('network_bytes') / 1e9:>11,.1f} {p.per_step('nvlink_bytes') / 1e9:>10,.1f} "
-            f"{p.terms_ms['moe comm'] / 1e3:>8.2f} {p.comm_exposed_ms / 1e3:>10.2f} {p.step_ms / 1e3:>8.2f} "
-            f"{p.tokens_per_s_per_gpu:>10,.0f} {p.mfu:>5.1f}%{mark}"
+            f"{p.moe_comm_ms / 1e3:>8.2f} {p.comm_exposed_ms / 1e3:>10.2f} {p.step_ms / 1e3:>8.2f} "
+            f"{p.tokens_per_s_per_gpu:>10,.0f} {p.tflops_per_gpu:>7,.0f} {p.mfu:>5.1f}%{mark}"
         )
     ok = [b for b in preds if scale_model.runnable(b, w)]
     best = max(ok, key=lambda b: preds[b].tokens_per_s_per_gpu)
@@ -163,7 +207,39 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
         f"{preds[best].tokens_per_s_per_gpu / preds['nccl'].tokens_per_s_per_gpu:.2f}x nccl)"
         + ("" if best == ours else f"; this recipe runs {ours}")
     )
+    lines += _plan_lines(r, gpu, preds[ours], ours, cal)
     return lines
+
+
+def _model_backend(r: recipe.Recipe) -> str:
+    mc = r.config.moe_comm
+    return mc.backend + ("-fp8" if mc.backend == "nvshmem" and mc.dispatch_dtype == "fp8" else "")
+
+
+PLAN_MARGIN = 1.10  # name the plan's best layout when it is predicted this much faster
+
+
+def _plan_lines(r: recipe.Recipe, gpu: str, ours_pred, ours: str, cal) -> list[str]:
+    """The plan's best layout for this recipe's backend, cluster, EP degree and global batch,
+    when it is predicted more than 10% faster than the recipe."""
+    from moe_comm import plan as plan_verb
+    from moe_comm.predict import plan as planner
+
+    lay, t = r.layout, r.config.training
+    tokens = float(t.local_batch_size * t.seq_len * lay.dp_shard * lay.dp_replicate)
+    try:
+        req = plan_verb.request(r, gpu=gpu, backends=[ours], keep=[f"ep={r.layout.ep}"], global_tokens=(tokens, tokens))
+        rows = planner.plan(req, cal, top=1)[ours]
+    except planner.PlanError as e:
+        return [f"plan        no layout to compare ({e})"]
+    if not rows or rows[0].tokens_per_s_per_gpu <= PLAN_MARGIN * ours_pred.tokens_per_s_per_gpu:
+        return []
+    row = rows[0]
+    gain = row.tokens_per_s_per_gpu / ours_pred.tokens_per_s_per_gpu - 1
+    return [f"plan        predicted {gain:.0%} faster on this cluster with {ours}, EP {r.layout.ep} and the "
+            f"global batch kept: "
+            f"{row.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {row.memory_gib:.0f} GiB ({plan_verb.describe(row)}): "
+            f"{' '.join(row.overrides)}  (python -m moe_comm plan {r.path} for the table)"]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -21,8 +21,9 @@ class MoEComm:
     """SMs the nvshmem/deepep kernels may use; the rest stay free for compute."""
 
     max_tokens_per_rank: int = 0
-    """Most tokens one rank dispatches per MoE call; 0 means local_batch_size * seq_len.
-    Sizes the symmetric buffers once at start-up."""
+    """Most tokens one rank routes through an MoE layer at once; 0 means local_batch_size *
+    seq_len. Sizes the symmetric buffers once at start-up (for half of it under overlap =
+    "chunked", where each dispatch carries one half)."""
 
     recv_capacity_factor: float = 0.0
     """Rows each rank can receive, as a multiple of the balanced load
@@ -49,6 +50,16 @@ class MoEComm:
     """Longest a communication kernel waits for a peer before it gives up and the step fails
     with an error naming the kernel, the phase and the peer (nvshmem backend). Never 0: a wait
     without a bound is a silent hang."""
+
+    overlap: Literal["none", "chunked"] = "none"
+    """How the MoE communication meets compute (moe_comm.titan.overlap). "none": dispatch and
+    combine run on the compute stream, as TorchTitan runs them. "chunked": each MoE layer
+    splits its tokens in two halves whose dispatch and combine run on a side stream (the
+    nvshmem/deepep kernels on their num_sms) while the other half's experts and the shared
+    experts compute; works with activation checkpointing and any pipeline schedule. The two
+    halves hold the same expert activations as one whole (plus each expert's alignment padding
+    twice), and the nvshmem buffers are sized for one half. DualPipeV's own EP overlap
+    ([parallelism] pipeline_parallel_expert_parallel_overlap) is the other way; choose one."""
 
     peak_tflops: float = 0.0
     """Peak dense TFLOPS of one GPU for MFU; 0 means look it up from the GPU's name

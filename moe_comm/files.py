@@ -101,9 +101,10 @@ def _tokenizer(config, model_vocab: int, sets_path: bool, recipe_file: str, foun
         found.notes.append(f"the vocabulary of the tokenizer in {assets} was not read (no tokenizer.json)")
     elif size > model_vocab:
         found.blockers.append(
-            f"[model] hf_assets_path = {assets!r}: its tokenizer has {size:,} token ids and the model's "
-            f"flavor {config.model.flavor!r} embeds {model_vocab:,}; ids past the embedding fail in the "
-            "first forward (a device assert on GPU): use the model's own tokenizer"
+            f"[model] hf_assets_path = {assets!r}: its tokenizer makes ids up to {size - 1}, beyond [model] "
+            f"flavor = {config.model.flavor!r}'s vocab_size {model_vocab}, which fails in the first embedding "
+            "lookup (a device assert on GPU); use a flavor whose vocabulary covers the tokenizer, or a "
+            "tokenizer of at most that many entries"
         )
     elif size * STAND_IN_RATIO < model_vocab:
         found.warnings.append(

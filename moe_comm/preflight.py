@@ -10,6 +10,11 @@ likely causes; every rank then sends a probe to every other rank with the networ
 put/signal calls. Rank 0 prints the transport, the InfiniBand devices, whether IBGDA is on, and
 the bandwidth of every pair (slowest first); a pair that never answers is named, and the exit
 status is 1 if any pair failed or fell below --min-gbps.
+
+A rank that never answers costs each rank one wait (wait_timeout_s), never a hang: the probes'
+waits are bounded, their results travel through the job's store with a bound (not a
+collective a missing rank would stall), and NVSHMEM is torn down together only if every rank
+agrees it is safe (moe_comm.kernels.runtime), so every process ends.
 """
 
 import argparse
@@ -17,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the per-pair results here")
     parser.add_argument("--virtual-node", type=int, default=None,
                         help="ranks per node as the kernels see it (overrides the recipe's virtual_node_size)")
+    parser.add_argument("--wait-timeout-s", type=float, default=None,
+                        help="how long a rank waits for each peer's probe (overrides the recipe's wait_timeout_s)")
+    parser.add_argument("--silent-rank", type=int, default=-1,
+                        help="this rank sends no probes, to see how the report names a rank that never answers")
 
 
 @dataclass
@@ -62,24 +72,60 @@ def environment(hosts: int, ranks_per_node: int) -> Environment:
 class Pair:
     src: int
     dst: int
-    gbps: float  # 0 when the probe failed
+    gbps: float  # 0 unless the probe arrived
     same_node: bool
+    # "ok"; "no probe" (src's probe never reached dst); "untimed" (it came, but another pair
+    # failed and held the probes back: no rate); "not measured" (dst sent no report)
+    status: str = "ok"
 
 
-def pairs_from_times(elapsed_ns: list[list[int]], bytes_: int, iters: int, ranks_per_node: int) -> list[Pair]:
-    """elapsed_ns[src][dst]: the time src's step to dst took (both directions of a step busy);
-    -1 where a wait gave up, so no bandwidth is made up for a step that did not finish."""
+def pairs_from_times(received_ns: list[list[int] | None], bytes_: int, iters: int, ranks_per_node: int) -> list[Pair]:
+    """received_ns[dst][src]: the time dst's step that received from src took (both directions
+    of a step busy); -1 where src's probe never came, so no bandwidth is made up for it; None
+    for a rank that sent no report (its incoming pairs are not measured).
+
+    A rank sends its next probe of a step only after it received its own previous one, so one
+    probe that never comes holds its receiver's later sends back by the timeout, and theirs in
+    turn: once any pair failed, the pairs that arrived are "untimed" (no rate is made up for
+    them either; the failed pairs are what the report names)."""
+    world = len(received_ns)
+    lost = any(row is not None and any(ns <= 0 for s, ns in enumerate(row) if s != d)
+               for d, row in enumerate(received_ns))
     out = []
-    for src, row in enumerate(elapsed_ns):
-        for dst, ns in enumerate(row):
+    for dst, row in enumerate(received_ns):
+        for src in range(world):
             if src == dst:
                 continue
-            gbps = bytes_ * iters / (ns * 1e-9) / 1e9 if ns > 0 else 0.0
-            out.append(Pair(src, dst, gbps, src // ranks_per_node == dst // ranks_per_node))
+            same = src // ranks_per_node == dst // ranks_per_node
+            if row is None:
+                out.append(Pair(src, dst, 0.0, same, "not measured"))
+            elif row[src] <= 0:
+                out.append(Pair(src, dst, 0.0, same, "no probe"))
+            elif lost:
+                out.append(Pair(src, dst, 0.0, same, "untimed"))
+            else:
+                out.append(Pair(src, dst, bytes_ * iters / (row[src] * 1e-9) / 1e9, same))
     return out
 
 
-def report(env: Environment, pairs: list[Pair], failed: dict[int, str], min_gbps: float) -> tuple[str, bool]:
+def failures(pairs: list[Pair], timeout_s: float) -> list[str]:
+    """One line per rank whose probes went missing, naming the rank that never answered when
+    none of its probes arrived anywhere, and one per rank that sent no report."""
+    lines = []
+    for src in sorted({p.src for p in pairs if p.status == "no probe"}):
+        lost = sorted(p.dst for p in pairs if p.src == src and p.status == "no probe")
+        measured = [p for p in pairs if p.src == src and p.status != "not measured"]
+        if len(lost) == len(measured):
+            lines.append(f"rank {src} never answered: no probe from it reached any of its {len(lost)} peer(s) "
+                         f"within {timeout_s:g} s")
+        else:
+            lines.append(f"rank {src}'s probe never reached rank(s) {lost} within {timeout_s:g} s")
+    for dst in sorted({p.dst for p in pairs if p.status == "not measured"}):
+        lines.append(f"rank {dst} sent no report (dead or hung): the pairs into it are not measured")
+    return lines
+
+
+def report(env: Environment, pairs: list[Pair], timeout_s: float, min_gbps: float) -> tuple[str, bool]:
     """The text rank 0 prints, and whether every pair passed."""
     lines = [
         f"preflight   {env.hosts} host(s), {env.ranks_per_node} ranks per node, "
@@ -88,25 +134,30 @@ def report(env: Environment, pairs: list[Pair], failed: dict[int, str], min_gbps
         f"GDRCopy={'present' if env.gdrcopy else 'absent'}",
         f"IB devices  {', '.join(env.ib_devices) or 'none found'}"
         + (f"  (NVSHMEM_HCA_LIST={env.hca_list})" if env.hca_list else ""),
+        "rates       one warp's put/signal per pair, every rank sending and receiving at once: for "
+        "comparing pairs, not a link's peak",
     ]
-    ok = not failed
-    lines.append("rates       one warp's put/signal per pair, every rank sending and receiving at once: for "
-                 "comparing pairs, not a link's peak")
+    measured = [p for p in pairs if p.status == "ok"]
+    untimed = sum(p.status == "untimed" for p in pairs)
+    if untimed:
+        lines.append(f"untimed     {untimed} pairs arrived, but the failed pairs held their probes back: "
+                     "no rates until the failures are fixed and the preflight runs again")
     for kind, same in (("NVLink (same node)", True), ("network (other nodes)", False)):
-        rates = [p.gbps for p in pairs if p.same_node == same]
+        rates = [p.gbps for p in measured if p.same_node == same]
         if rates:
             lines.append(f"{kind:<22} {len(rates)} pairs: min {min(rates):.1f}  median {statistics.median(rates):.1f}  "
                          f"max {max(rates):.1f} GB/s")
-    slow = sorted(pairs, key=lambda p: p.gbps)[:5]
+    slow = sorted(pairs, key=lambda p: (p.status == "not measured", p.gbps))[:5]
     if slow:
-        lines.append("slowest     " + "; ".join(f"{p.src}->{p.dst} {p.gbps:.1f} GB/s" for p in slow))
-    for rank, message in sorted(failed.items()):
-        lines.append(f"FAILED      rank {rank}: {message}")
-    below = [p for p in pairs if p.gbps < min_gbps]
+        lines.append("slowest     " + "; ".join(
+            f"{p.src}->{p.dst} " + (f"{p.gbps:.1f} GB/s" if p.status == "ok" else p.status) for p in slow))
+    failed = failures(pairs, timeout_s)
+    lines += [f"FAILED      {line}" for line in failed]
+    below = [p for p in measured if p.gbps < min_gbps]
     if below:
-        ok = False
         lines.append(f"FAILED      {len(below)} pairs below --min-gbps {min_gbps:g}: "
                      + ", ".join(f"{p.src}->{p.dst}" for p in below[:10]))
+    ok = not failed and not below
     lines.append("verdict     " + ("every pair answered" if ok else "NOT ready: fix the pairs above before launching"))
     return "\n".join(lines), ok
 
@@ -132,6 +183,8 @@ def main(args: argparse.Namespace) -> int:
         virtual, timeout = r.config.moe_comm.virtual_node_size, r.config.moe_comm.wait_timeout_s
     if args.virtual_node is not None:
         virtual = args.virtual_node
+    if args.wait_timeout_s is not None:
+        timeout = args.wait_timeout_s
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group("gloo")
@@ -139,25 +192,31 @@ def main(args: argparse.Namespace) -> int:
     runtime = NvshmemRuntime.start(dist.group.WORLD, RuntimeRequest(
         tokens=16, num_experts=world, top_k=1, row_bytes=16, recv_capacity_factor=0.0,
         virtual_node_size=virtual, wait_timeout_s=timeout))
-    elapsed = torch.ops.moe_comm.preflight(args.bytes, args.iters).tolist()
-    errors = NvshmemRuntime.errors()
-    failure = (f"gave up after {timeout:g} s waiting for EP rank {errors.timeout_peer}'s probe"
-               if errors.timeout_kernel else "")
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (elapsed, failure))
+    received = torch.ops.moe_comm.preflight(args.bytes, args.iters, rank != args.silent_rank).tolist()
+    done_at = time.time()
+    lost = [src for src, ns in enumerate(received) if src != rank and ns <= 0]
+    if lost:  # this rank's own finding, once
+        print(f"preflight: rank {rank}: no probe from rank(s) {lost} within {timeout:g} s", file=sys.stderr, flush=True)
+    # Gathered through the job's store with a bound, not a collective: a rank that never
+    # answers must not keep the others from reporting it.
+    board = runtime.board
+    board.post("preflight", json.dumps({"received_ns": received, "done_at": done_at}))
     if rank == 0:
+        rows = board.gather("preflight", timeout)
+        got = {r: json.loads(v) for r, v in rows.items()}
         env = environment(runtime.layout.hosts, runtime.layout.ranks_per_node)
-        pairs = pairs_from_times([g[0] for g in gathered], args.bytes, args.iters, runtime.layout.ranks_per_node)
-        failed = {r: g[1] for r, g in enumerate(gathered) if g[1]}
-        text, ok = report(env, pairs, failed, args.min_gbps)
+        pairs = pairs_from_times([got[r]["received_ns"] if r in got else None for r in range(world)],
+                                 args.bytes, args.iters, runtime.layout.ranks_per_node)
+        text, ok = report(env, pairs, timeout, args.min_gbps)
         print(text, flush=True)
         if args.json:
-            args.json.write_text(json.dumps({"environment": asdict(env), "bytes": args.bytes, "iters": args.iters,
-                                             "pairs": [asdict(p) for p in pairs], "failed": failed}, indent=1))
+            args.json.write_text(json.dumps({
+                "environment": asdict(env), "bytes": args.bytes, "iters": args.iters, "wait_timeout_s": timeout,
+                "pairs": [asdict(p) for p in pairs], "failed": failures(pairs, timeout), "ok": ok,
+                "done_at": {r: g["done_at"] for r, g in got.items()}}, indent=1))
+        board.post("preflight-verdict", "ok" if ok else "failed")
     else:
-        ok = True  # rank 0 judges
-    if any(g[1] for g in gathered):
-        os._exit(1)  # NVSHMEM gave up on a peer: no collective teardown
+        ok = board.read("preflight-verdict", 0, timeout + 10) == "ok"  # rank 0 judges
     runtime.finalize()
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -37,7 +37,7 @@ except ModuleNotFoundError:  # Python 3.10
 from moe_comm import files, titan_fields
 from moe_comm.config import BACKENDS
 from moe_comm.errors import LaunchBlockers, RecipeError
-from moe_comm.estimate import Layout
+from moe_comm.predict.estimate import Layout
 
 REPO = Path(__file__).resolve().parents[1]
 OUR_CONFIG_MODULE = "moe_comm.config"
@@ -426,7 +426,7 @@ def run_plan(config, layout: Layout, args, device: str, *, gpu: str = "", gpu_sm
     """The backends.RunPlan of this recipe: what its backend's `check_run` is asked with."""
     from moe_comm.backends import RunPlan
 
-    t = config.training
+    t, p = config.training, config.parallelism
     return RunPlan(
         options=config.moe_comm,
         device=device,
@@ -445,6 +445,10 @@ def run_plan(config, layout: Layout, args, device: str, *, gpu: str = "", gpu_sm
         launch_env=launch_env,
         launch_env_source=launch_env_source or "the launch environment",
         python_env=python_env,
+        activation_checkpoint=config.activation_checkpoint.mode,
+        # TorchTitan's get_dual_pipe_v_flag, from the recipe instead of the built process groups
+        dual_pipe_v=(layout.pp > 1 and layout.ep > 1 and p.pipeline_parallel_expert_parallel_overlap
+                     and p.pipeline_parallel_schedule.lower() == "dualpipev"),
     )
 
 

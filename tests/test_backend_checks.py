@@ -42,6 +42,9 @@ def test_limits_come_from_the_kernels_header():
     dict(num_sms=148),  # a B200's every SM
     dict(dispatch_dtype="fp8"),
     dict(ep=2, nodes=1, ranks_per_node=2, gpu="H200", num_sms=132),
+    dict(ep=1, nodes=1, ranks_per_node=1, gpu="H200", launch_env=None),  # one GPU: every expert local
+    dict(ep=1, nodes=1, ranks_per_node=8, launch_env=None),  # EP 1 under FSDP 8: a one-rank EP group each
+    dict(ep=1, nodes=1, ranks_per_node=1, gpu="H200", dispatch_dtype="fp8", launch_env=None),
 ])
 def test_nvshmem_accepts(kw):
     NvshmemBackend.check_run(plan(**kw))
@@ -143,6 +146,8 @@ def test_deepep_in_a_container_is_not_imported_here():
     (dict(num_sms=21), ["num_sms = 21", "even"]),
     (dict(converters=("quantize.grouped_mm.mx",)), ["does not pad", "quantize.grouped_mm.mx"]),
     (dict(num_sms=150), ["num_sms = 150", "148"]),
+    (dict(ep=1, nodes=1, ranks_per_node=1), ["expert_parallel_degree = 1", "no one-rank configuration", '"nvshmem"']),
+    (dict(ep=12, nodes=2, ranks_per_node=6, num_experts=240), ["expert_parallel_degree = 12", "2, 4, 8, 16"]),
 ])
 def test_deepep_refuses_what_its_kernels_assert_on(kw, words):
     with pytest.raises(RecipeError) as e:

@@ -74,15 +74,15 @@ def test_step_line_on_gpu_names_the_mfu_peak():
 
 def test_step_line_first_step_pp_and_unmeasured_comm():
     first = _line(step=1, eta_s=None, pp_stage=(1, 8), dispatch_ms=None, combine_ms=None,
-                  comm_pct=None, comm_note="no expert parallelism",
+                  comm_pct=None, comm_note="MOE_COMM_INSTRUMENT=0",
                   first_step="torch.compile 31.0s, first nvshmem dispatch 4.2s")
     text = first.format()
     assert text == (
         "step 1/5  pp1 of 8  1.91 s/step  eta --  loss 6.2380  gnorm 7.46  tok/s 268  mfu n/a  "
-        "mem n/a  comm n/a (no expert parallelism)  (first step: torch.compile 31.0s, first nvshmem dispatch 4.2s)"
+        "mem n/a  comm n/a (MOE_COMM_INSTRUMENT=0)  (first step: torch.compile 31.0s, first nvshmem dispatch 4.2s)"
     )
     m = STEP_LINE_RE.match(text)
-    assert m and m["pp"] == "1" and m["comm_note"] == "no expert parallelism" and m["eta"] == "--"
+    assert m and m["pp"] == "1" and m["comm_note"] == "MOE_COMM_INSTRUMENT=0" and m["eta"] == "--"
     assert format_duration(3 * 3600 + 125) == "3:02:05" and format_duration(59.6) == "1:00"
 
 

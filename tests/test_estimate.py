@@ -1,4 +1,4 @@
-"""`moe_comm.estimate` against TorchTitan's own accounting, and `check` on the flagship recipe."""
+"""`moe_comm.predict.estimate` against TorchTitan's own accounting, and `check` on the flagship recipe."""
 
 import copy
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 from torchtitan.models.deepseek_v3 import deepseekv3_args, DeepSeekV3Model
 from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
-from moe_comm import estimate
+from moe_comm.predict import estimate
 from moe_comm.__main__ import main
 from moe_comm.titan import flavors
 
@@ -64,6 +64,35 @@ def test_memory_peaks_hand_counted():
     assert big.peak_at == "end of forward" and big.total == big.forward_end
 
 
+def test_one_gpu_memory_hand_counted():
+    """World 1: no fully_shard (no working set, no gradient reduce) and autocast instead - bf16
+    copies of every weight but the embedding held to their backward (the routed experts' only
+    without AC), the residual stream's tensors in fp32 - checked term by term."""
+    flavors.register()
+    a = deepseekv3_args["671B_layers_1gpu"]
+    one = estimate.Layout(1, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+    assert not estimate.fsdp_applied(one) and estimate.autocast(one)
+    assert estimate.fsdp_applied(estimate.Layout(2, 1, 2, 1, 1, 1, 2, 1, 2, 1))  # EP borrows: fully_shard
+    assert not estimate.autocast(estimate.Layout(2, 1, 2, 1, 1, 1, 2, 1, 1, 1))  # TP without FSDP: fp32
+    p = estimate.count_params(a)
+    routed = 2 * 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim  # 2 MoE layers
+    none = estimate.memory_per_gpu(a, one, 2, SEQ, "none")
+    assert none.fsdp_working_set == 0 and none.grad_reduce == 0
+    assert none.params_and_optimizer == 12 * p.total and none.gradients == 4 * p.total
+    assert none.weight_copies == 2 * (p.total - p.embedding)
+    extra = [2 * 2 * a.dim + 2 * a.dim * 2, 2 * 2 * a.dim + 2 * a.dim * 3, 2 * 2 * a.dim + 2 * a.dim * 3]  # dense, MoE, MoE
+    bf16 = [estimate._act_bytes_per_token(a, i >= a.n_dense_layers) for i in range(3)]
+    assert none.activations == pytest.approx(2 * SEQ * (sum(bf16) + sum(extra)))
+    assert none.forward_end == pytest.approx(none.params_and_optimizer + none.weight_copies + none.activations
+                                             + none.logits)
+    full = estimate.memory_per_gpu(a, one, 2, SEQ, "full")
+    assert full.weight_copies == 2 * (p.total - p.embedding - routed)  # the experts' casts recomputed
+    assert full.peak_at == "end of backward" and full.total == 16 * p.total  # fp32 params, grads, moments
+    # measured on one H200 (results/h200x1): 99.8 GiB in use at 2 x 4096 without AC, 86.0 with full AC
+    assert none.total / estimate.GiB == pytest.approx(99.8, rel=0.05)
+    assert full.total / estimate.GiB == pytest.approx(86.0, rel=0.03)
+
+
 def test_memory_estimate_is_close_to_measured_16b():
     # results/h200x2: 16B, FSDP 2, EP 2, 1 x 4096, full AC: 119.5 GiB in use, 127.5 reserved
     lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
@@ -98,6 +127,17 @@ def test_check_cli_on_flagship(capsys, monkeypatch):
     assert "<- this recipe" in out and "expected fastest on this cluster:" in out
 
 
+def test_check_cli_on_the_one_gpu_recipe(capsys, monkeypatch):
+    """EP 1 on one H200: the scale model prices the backends' local work (deepep refused there),
+    and the memory line names autocast's weight copies instead of an FSDP working set."""
+    monkeypatch.chdir(REPO)
+    assert main(["check", "recipes/deepseek_v3_671b_h200x1.toml", "--skip-files"]) == 0
+    out = capsys.readouterr().out
+    assert "autocast's bf16 weight copies" in out and "no fully_shard" in out and "FSDP working set" not in out
+    assert "expert_parallel_degree 1" in out and "(refused at EP 1" in out
+    assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
+
+
 def test_check_cli_reports_errors(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert main(["check", "recipes/debug_cpu.toml", "--parallelism.expert_parallel_degree", "3"]) == 2
@@ -112,3 +152,53 @@ def test_check_cli_on_flagship_with_nvshmem_prints_its_buffers(capsys, monkeypat
     assert "nvshmem     4 node(s) x 8 per EP group, 4096 tokens per call" in out
     assert "12,288 net slots, 12,288 send slots" in out and "symmetric heap" in out
     assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
+
+
+def _flagship_layout(pp: int = 8) -> estimate.Layout:
+    return estimate.Layout(256, 32, 8, 1, 256 // pp, 1, 1, pp, 32, 1)
+
+
+def test_pipelined_memory_hand_counted():
+    """671B, PP 8 x FSDP 32, EP 32, 1F1B, 8 microbatches of 1 x 4096, full AC. TorchTitan's
+    split of 61 layers + embedding + output over 8 stages gives rank 0 the embedding, the 3
+    dense layers and 4 MoE layers, the most parameters of any rank; each block is unsharded in
+    bf16 with an fp32 gradient for the step (no reshard after forward with PP, gradients
+    accumulated over the microbatches); 1F1B's rank 0 holds min(8, pp) microbatches of layer
+    inputs, plus one layer recomputed."""
+    a = deepseekv3_args["671B"]
+    mem = estimate.memory_per_gpu(a, _flagship_layout(), 8, SEQ, "full", 1, "1F1B")
+    m = a.moe_args
+    routed = 3 * m.num_experts * a.dim * a.moe_inter_dim
+    moe_unit = estimate._moe_block_params(a) - routed + routed / 32
+    held = 3 * estimate._dense_block_params(a) + 4 * moe_unit + a.vocab_size * a.dim
+    assert mem.pipelined and mem.stages_per_rank == 1 and mem.microbatches_in_flight == 8
+    assert mem.fsdp_working_set == pytest.approx(2 * held) and mem.grad_reduce == pytest.approx(4 * held)
+    layer = estimate._act_bytes_per_token(a, True)
+    assert mem.activations == pytest.approx(8 * SEQ * 7 * 2 * a.dim + SEQ * layer)
+    assert mem.logits == 0  # the output and its logits are on rank 7
+    assert mem.forward_end == pytest.approx(mem.params_and_optimizer + mem.fsdp_working_set + mem.grad_reduce
+                                            + mem.activations)
+    assert mem.total == max(mem.forward_end, mem.backward_end)
+
+
+def test_memory_moves_with_the_schedule_and_microbatches():
+    a = deepseekv3_args["671B"]
+    lay = _flagship_layout()
+
+    def act(schedule, local_batch, ac="full", layers_per_stage=None):
+        return estimate.memory_per_gpu(a, lay, local_batch, SEQ, ac, 1, schedule, layers_per_stage)
+
+    # 1F1B holds pp microbatches however many run; Interleaved1F1B (v = 2) holds (v - 1) x the
+    # microbatches of a round + 2 (pp - 1) + 1 chunks of half a rank: 23 / 2 at 16 microbatches,
+    # 30 / 2 at 15 (one round of 15)
+    assert act("1F1B", 8).activations == act("1F1B", 32).activations
+    assert act("Interleaved1F1B", 16).microbatches_in_flight == 11.5
+    assert act("Interleaved1F1B", 15).microbatches_in_flight == 15
+    assert act("Interleaved1F1B", 16, "none").activations > act("1F1B", 16, "none").activations
+    # the zero-bubble V holds 2 pp chunks of half a rank: pp microbatches, as 1F1B
+    assert act("ZBVZeroBubble", 16).microbatches_in_flight == 8
+    # no AC keeps every activation of every microbatch in flight
+    assert act("1F1B", 8, "none").activations > 20 * act("1F1B", 8, "full").activations
+    assert act("Interleaved1F1B", 32, layers_per_stage=2).stages_per_rank == 4
+    with pytest.raises(ValueError, match="1F1B needs at least pp = 8"):
+        act("1F1B", 4)

@@ -77,3 +77,23 @@ def test_unknown_backend_names_the_field(group):
     layer = MoELayerSpec(num_experts=8, top_k=2, hidden=256)
     with pytest.raises(ValueError, match=r"\[moe_comm\] backend"):
         build_backend(MoEComm(backend="mpi"), layer, group)
+
+
+def test_rows_move_in_the_compute_dtype_under_autocast():
+    """One GPU (or DDP) trains under autocast with an fp32 residual stream: the nvshmem backend
+    moves the rows in the autocast dtype the experts compute in (half the bytes, and what FP8
+    dispatch quantises from), with the gradient back in fp32; FSDP's bf16 rows pass unchanged."""
+    import torch
+
+    from moe_comm.backends.nvshmem import rows_in_compute_dtype
+
+    x = torch.randn(4, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows = rows_in_compute_dtype(x)
+    assert rows.dtype == torch.bfloat16
+    rows.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, torch.ones_like(x))
+    assert rows_in_compute_dtype(x).dtype == torch.float32  # no autocast: as they are
+    bf16 = x.detach().bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert rows_in_compute_dtype(bf16) is bf16

@@ -49,14 +49,26 @@ CASES = [
     "capacity_overflow_raises",
     "cuda_graph_dispatch_dispatch_combine",
     "bad_input_errors",
+    "overlap_calls_in_flight",
+    "overlap_layer_matches_plain",
 ]
+# What a one-GPU training step runs (EP 1: every expert on the rank), at world 1 only.
+WORLD1_CASES = ["moe_layer_ep1_against_nccl"]
 ERROR_CASES = ["slot_overflow_raises", "hang_raises_on_every_rank"]
 # (ranks, virtual node size; 0 = the real node)
 LAYOUTS = [(1, 0), (2, 0), (4, 0), (8, 0), (2, 1), (4, 2), (4, 1), (8, 4), (8, 2)]
 ERROR_LAYOUTS = [(2, 0), (4, 2)]
 NUM_SMS = 8
 LAUNCH_TIMEOUT_S = 600
+ERROR_TIMEOUT_S = 5  # wait_timeout_s of the error layouts and the dead-pair preflight
+# After a wait gives up, every process of the job must have ended within this much more.
+EXIT_BOUND_S = ERROR_TIMEOUT_S + 10
+DEAD_PAIR_LAYOUTS = [(2, 0), (4, 2)]  # preflight with rank 1 silent: 2 ranks, 2 virtual nodes x 2
 CONCURRENCY = int(os.environ.get("MOE_COMM_GPU_TEST_CONCURRENCY", "1"))
+# A subset of the launches by id ("1,2x2,2_errors,2x2_dead_pair"; default every one): a device
+# call with a few minutes checks what a change touched; what it leaves out is reported as a
+# skip that says it did not run, never as a pass.
+ONLY = set(filter(None, os.environ.get("MOE_COMM_GPU_LAYOUTS", "").split(",")))
 
 
 def _sm_count() -> int:
@@ -66,6 +78,10 @@ def _sm_count() -> int:
 def _layout_id(ranks: int, virtual: int, errors: bool) -> str:
     kind = f"{ranks // virtual}x{virtual}" if virtual else f"{ranks}"
     return f"{kind}{'_errors' if errors else ''}"
+
+
+def _dead_pair_id(ranks: int, virtual: int) -> str:
+    return f"{_layout_id(ranks, virtual, False)}_dead_pair"
 
 
 class Mps:
@@ -93,7 +109,7 @@ def _launch(ranks: int, virtual: int, errors: bool, out: Path, port: int) -> sub
     env = dict(os.environ, **DEVICE_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["MOE_COMM_TEST_NUM_SMS"] = str(NUM_SMS)
-    env["MOE_COMM_TEST_WAIT_TIMEOUT"] = "5" if errors else "60"
+    env["MOE_COMM_TEST_WAIT_TIMEOUT"] = str(ERROR_TIMEOUT_S) if errors else "60"
     env.setdefault("MOE_COMM_INIT_TIMEOUT", "120")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ranks}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", str(ROOT / "tests" / "gpu" / "nvshmem_cases.py"),
@@ -106,6 +122,28 @@ def _launch(ranks: int, virtual: int, errors: bool, out: Path, port: int) -> sub
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+def _preflight(ranks: int, virtual: int, out: Path, port: int, name: str, *extra: str) -> dict:
+    """The preflight verb under torchrun; its JSON report, exit status and end time."""
+    env = dict(os.environ, **DEVICE_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ranks}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "moe_comm", "preflight",
+           "--bytes", str(1 << 20), "--iters", "5", "--json", str(out / f"{name}.json"), *extra]
+    if virtual:
+        cmd += ["--virtual-node", str(virtual)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        log, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        log, code = f"{e.stdout or ''}{e.stderr or ''}\nTIMED OUT after 300 s", None
+    ended = time.time()
+    (out / f"{name}.log").write_text(log if isinstance(log, str) else log.decode())
+    path = out / f"{name}.json"
+    if not path.exists():
+        return {"missing": str(log)[-8000:], "exit": code}
+    return json.loads(path.read_text()) | {"exit": code, "ended_at": ended}
+
+
 @pytest.fixture(scope="session")
 def reports(tmp_path_factory):
     """Every layout's report, launched in batches whose SM budgets fit the GPUs."""
@@ -114,25 +152,23 @@ def reports(tmp_path_factory):
     gpus = torch.cuda.device_count()
     budget = _sm_count() * gpus
     jobs = [(r, v, False) for r, v in LAYOUTS] + [(r, v, True) for r, v in ERROR_LAYOUTS]
+    jobs = [j for j in jobs if not ONLY or _layout_id(*j) in ONLY]
     mps = Mps()
-    if any(r > gpus for r, _, _ in jobs):
+    # every launch counts, the preflights' 4 ranks too (run 13 started none for a subset of dead-pair
+    # preflights only, and the ranks time-sliced the GPU: rates 10x lower, the case still right)
+    if any(r > gpus for r in [4] + [r for r, _, _ in jobs] + [r for r, _ in DEAD_PAIR_LAYOUTS]):
         mps.start()
     results, port = {}, 29600
     try:
         # First the preflight verb (what a user runs first) on 2 virtual nodes x 2: every pair
-        # probed through put/signal.
-        env = dict(os.environ, **DEVICE_ENV)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "moe_comm", "preflight", "--virtual-node", "2",
-             "--bytes", str(1 << 20), "--iters", "5", "--json", str(out / "preflight_2x2.json")],
-            env=env, capture_output=True, text=True, timeout=300)
-        (out / "preflight_2x2.log").write_text(proc.stdout + proc.stderr)
-        path = out / "preflight_2x2.json"
-        results["preflight"] = (json.loads(path.read_text()) | {"exit": proc.returncode} if path.exists()
-                                else {"missing": (proc.stdout + proc.stderr)[-8000:]})
+        # probed through put/signal; then with one rank that never answers.
+        results["preflight"] = _preflight(4, 2, out, port, "preflight_2x2")
         port += 1
+        for ranks, virtual in [lay for lay in DEAD_PAIR_LAYOUTS if not ONLY or _dead_pair_id(*lay) in ONLY]:
+            results[("dead_pair", ranks, virtual)] = _preflight(
+                ranks, virtual, out, port, f"preflight_{_dead_pair_id(ranks, virtual)}",
+                "--silent-rank", "1", "--wait-timeout-s", str(ERROR_TIMEOUT_S))
+            port += 1
         while jobs:
             batch, used = [], 0
             for job in list(jobs):
@@ -150,15 +186,37 @@ def reports(tmp_path_factory):
                     proc.wait(timeout=LAUNCH_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                ended = time.time()
                 report = out / f"nvshmem_cases_{_layout_id(*key)}.json"
                 log = (out / f"nvshmem_cases_{_layout_id(*key)}.log").read_text()
-                results[key] = json.loads(report.read_text()) if report.exists() else {"missing": log[-8000:]}
+                results[key] = (json.loads(report.read_text()) | {"exit": proc.returncode, "ended_at": ended}
+                                if report.exists() else {"missing": log[-8000:]})
     finally:
         mps.stop()
+    _record_exit_bounds(results, out)
     return results
 
 
+def _record_exit_bounds(results: dict, out: Path) -> None:
+    """How long after its last wait gave up each error job's last process ended (the job's
+    launcher returns once every process has), for results/h200x1."""
+    rows = []
+    for key, r in results.items():
+        if "missing" in r:
+            continue
+        if isinstance(key, tuple) and key[0] == "dead_pair":
+            rows.append({"job": f"preflight_{_dead_pair_id(key[1], key[2])}", "exit": r["exit"],
+                         "error_to_last_exit_s": r["ended_at"] - max(r["done_at"].values())})
+        elif isinstance(key, tuple) and key[2] and r.get("error_at") and None not in r["error_at"]:
+            rows.append({"job": f"nvshmem_cases_{_layout_id(*key)}", "exit": r["exit"],
+                         "error_to_last_exit_s": r["ended_at"] - max(r["error_at"])})
+    (out / "exit_bounds.json").write_text(json.dumps({"wait_timeout_s": ERROR_TIMEOUT_S, "bound_s": EXIT_BOUND_S,
+                                                      "jobs": rows}, indent=1))
+
+
 def _result(reports, key, case):
+    if key not in reports:
+        pytest.skip(f"{_layout_id(*key)} not in MOE_COMM_GPU_LAYOUTS={','.join(sorted(ONLY))}: not run")
     report = reports[key]
     if "missing" in report:
         pytest.fail(f"the case runner wrote no report for {_layout_id(*key)}:\n{report['missing']}")
@@ -174,6 +232,12 @@ def test_nvshmem_case(reports, layout, case):
     assert result == "PASS", result
 
 
+@pytest.mark.parametrize("case", WORLD1_CASES)
+def test_nvshmem_world1_case(reports, case):
+    result = _result(reports, (1, 0, False), case)
+    assert result == "PASS", result
+
+
 @pytest.mark.parametrize("case", ERROR_CASES)
 @pytest.mark.parametrize("layout", ERROR_LAYOUTS, ids=[_layout_id(r, v, True) for r, v in ERROR_LAYOUTS])
 def test_nvshmem_error_case(reports, layout, case):
@@ -181,12 +245,47 @@ def test_nvshmem_error_case(reports, layout, case):
     assert result == "PASS", result
 
 
+@pytest.mark.parametrize("layout", ERROR_LAYOUTS, ids=[_layout_id(r, v, True) for r, v in ERROR_LAYOUTS])
+def test_every_process_ends_after_a_wait_gives_up(reports, layout):
+    """The hang case's job: every rank raised, then left by the interpreter's normal exit (exit
+    status 0 from every process, so the launcher's is 0) within the bound of the last error."""
+    if (*layout, True) not in reports:
+        pytest.skip(f"{_layout_id(*layout, True)} not in MOE_COMM_GPU_LAYOUTS: not run")
+    report = reports[(*layout, True)]
+    if "missing" in report:
+        pytest.fail(f"the case runner wrote no report:\n{report['missing']}")
+    assert report["exit"] == 0, f"the job's processes did not all exit normally (launcher status {report['exit']})"
+    assert None not in report["error_at"], f"a rank never raised: {report['error_at']}"
+    late = report["ended_at"] - max(report["error_at"])
+    assert late <= EXIT_BOUND_S, f"the last process ended {late:.1f} s after the last error (bound {EXIT_BOUND_S} s)"
+
+
+@pytest.mark.parametrize("layout", DEAD_PAIR_LAYOUTS, ids=[_layout_id(r, v, False) for r, v in DEAD_PAIR_LAYOUTS])
+def test_preflight_names_a_rank_that_never_answers(reports, layout):
+    if ("dead_pair", *layout) not in reports:
+        pytest.skip(f"{_dead_pair_id(*layout)} not in MOE_COMM_GPU_LAYOUTS: not run")
+    report = reports[("dead_pair", *layout)]
+    if "missing" in report:
+        pytest.fail(f"preflight wrote no report (exit {report['exit']}):\n{report['missing']}")
+    ranks = layout[0]
+    assert report["exit"] == 1 and not report["ok"]
+    assert any(line.startswith("rank 1 never answered") for line in report["failed"]), report["failed"]
+    pairs = report["pairs"]
+    assert len(pairs) == ranks * (ranks - 1)
+    assert all(p["status"] == "no probe" for p in pairs if p["src"] == 1)
+    # every other pair arrived; none gets a rate, since the missing probes held the others back
+    assert all(p["status"] == "untimed" for p in pairs if p["src"] != 1), pairs
+    assert len(report["done_at"]) == ranks  # every rank reported, the silent one too
+    late = report["ended_at"] - max(report["done_at"].values())
+    assert late <= EXIT_BOUND_S, f"the last process ended {late:.1f} s after the probes (bound {EXIT_BOUND_S} s)"
+
+
 def test_preflight_probes_every_pair(reports):
     report = reports["preflight"]
     if "missing" in report:
         pytest.fail(f"preflight wrote no report:\n{report['missing']}")
-    assert report["exit"] == 0 and not report["failed"]
+    assert report["exit"] == 0 and not report["failed"] and report["ok"]
     pairs = report["pairs"]
-    assert len(pairs) == 12 and all(p["gbps"] > 0 for p in pairs)
+    assert len(pairs) == 12 and all(p["gbps"] > 0 and p["status"] == "ok" for p in pairs)
     assert sum(p["same_node"] for p in pairs) == 4  # 2 virtual nodes x 2: one NVLink peer each
     assert report["environment"]["ranks_per_node"] == 2

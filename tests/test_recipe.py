@@ -102,6 +102,26 @@ def test_bad_recipe(tmp_path, what, edit, words):
         assert word in str(e.value), f"{what}: {word!r} not in {str(e.value)!r}"
 
 
+def test_tokenizer_beyond_the_flavors_vocab(tmp_path):
+    """debugmodel embeds 2,048 ids; a larger tokenizer (assets/real's has 32,768) would fail in the
+    first embedding lookup of the first step, so the recipe is refused before launch."""
+    import json
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    vocab = {f"t{i}": i for i in range(2047)}
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": [{"id": 2047}]}))
+    from moe_comm import files
+
+    assert files.tokenizer_vocab_size(str(tok)) == 2048
+    recipe.load("recipes/debug_cpu.toml", ["--model.hf_assets_path", str(tok)], device="cpu")  # exactly fits
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": [{"id": 2048}]}))
+    with pytest.raises(recipe.RecipeError) as e:
+        recipe.load("recipes/debug_cpu.toml", ["--model.hf_assets_path", str(tok)], device="cpu")
+    for word in ("[model] hf_assets_path", "2048", "[model] flavor = 'debugmodel'", "vocab_size 2048"):
+        assert word in str(e.value), str(e.value)
+
+
 def test_tp_without_divisible_seq(tmp_path):
     text = _edit("expert_parallel_degree = 2", "expert_parallel_degree = 1")
     text = text.replace("data_parallel_shard_degree = -1\ntensor_parallel_degree = 1", "data_parallel_shard_degree = 1\ntensor_parallel_degree = 2")

@@ -1,10 +1,10 @@
-"""moe_comm.routing_plan against a pure-Python loop over tokens, hand-counted layouts, and
+"""moe_comm.predict.routing_plan against a pure-Python loop over tokens, hand-counted layouts, and
 NOTES §7's table of how far a DeepSeek-V3 token travels."""
 
 import pytest
 import torch
 
-from moe_comm.routing_plan import (
+from moe_comm.predict.routing_plan import (
     draw_topk,
     plan,
     routing_statistics,

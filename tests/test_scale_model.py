@@ -1,27 +1,25 @@
-"""The scale model on hand-computed layouts (made-up constants, so every number below can be
-redone on paper), and its calibration against the measured 2xH200 figures."""
+"""The scale model on hand-computed layouts (made-up constants and a made-up layer benchmark, so
+every number below can be redone on paper), and its calibration against the measured figures
+(2xH200 and the one-GPU recipe on one H200)."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from torchtitan.models.moe import MoEArgs
 
-from moe_comm import estimate, scale_calibration, scale_model, scale_validation
-from moe_comm.scale_calibration import Calibration, OpCost
-from moe_comm.scale_model import Cluster, GPUSpec, Workload
+import layer_bench_fakes
+from moe_comm.predict import calibration, estimate, layer_compute, scale_model, validation
+from moe_comm.predict.assumptions import VALIDATION
+from moe_comm.predict.calibration import Calibration
+from moe_comm.predict.scale_model import Cluster, GPUSpec, Workload
 
 META = 128  # csrc/common/wire.h kNetMetaBytes
 
 
 def hand_calibration() -> Calibration:
-    return Calibration(
-        p2p_gbps=400.0, nvlink_copy_efficiency=1.0, kernel_floor_us=10.0,
-        ops={"dispatch": OpCost(0.5, 1.0), "combine": OpCost(0.25, 2.0)},
-        deepep_ops={"dispatch": OpCost(0.5, 3.0), "combine": OpCost(0.25, 4.0)},
-        expand=(0.001, 0.002), reduce=(0.003, 0.004), layout_hbm_efficiency=0.5,
-        nccl_call_us=1000.0, nccl_row_us=0.02, nccl_backward_row_us=0.04,
-        gemm_efficiency=0.5, attention_efficiency=0.25, memory_bytes_factor=2.0, idle_ratio=0.1,
-    )
+    """Made-up communication constants; compute from the made-up layer benchmark."""
+    return layer_bench_fakes.hand_calibration(layer_bench_fakes.made_up_bench())
 
 
 @pytest.fixture
@@ -105,8 +103,9 @@ def test_virtual_nodes_split_one_machine(two_by_two):
 
 
 def test_step_terms_by_hand():
-    """One node of 2 H200-like GPUs, the 16B flavor at 1 x 4096 without AC: compute terms are
-    flops or bytes over the rates, idle a share of the busy time, tokens/s and MFU follow."""
+    """One node of 2 H200-like GPUs, the 16B flavor at 1 x 4096 without AC: compute terms are the
+    layer benchmark's parts for the rank, the optimizer and the parameter copies bytes over the
+    layout kernels' HBM rate, idle a share of the busy time, tokens/s and MFU follow."""
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
     a = deepseekv3_args["16B"]
@@ -117,12 +116,15 @@ def test_step_terms_by_hand():
     w = Workload("16B", a, lay, 1, 4096, 1, "none", (), "random", num_sms=20)
     p = scale_model.predict("nvshmem", w, cluster, cal)
     T = 4096
-    assert p.terms_ms["gemm"] == pytest.approx(T * scale_model.matmul_flops_per_token(a) / (1000e12 * 0.5) * 1e3)
-    assert p.terms_ms["attention"] == pytest.approx(
-        T * 0.5 * 6 * a.n_layers * a.n_heads * 320 * 4096 / (1000e12 * 0.25) * 1e3)
-    assert p.terms_ms["memory-bound"] == pytest.approx(
-        T * 2.0 * scale_model.memory_bound_bytes_per_token(a) / 4.0e12 * 1e3)
-    assert p.terms_ms["optimizer"] == pytest.approx(32 * estimate.count_params(a).total / 2 / (0.5 * 4.0e12) * 1e3)
+    c = layer_compute.rank_ms(cal.layer_bench, w, "H200", tuple(range(a.n_layers)), True, True)
+    for term in ("gemm", "attention", "memory-bound"):
+        assert p.terms_ms[term] == pytest.approx(sum(c.terms[term]))
+    assert "layer shapes differ" in p.compute_source  # 16B priced from the 671B parts by work
+    rate = 0.5 * 4.0e12  # the layout kernels' share of the GPU's HBM
+    assert p.terms_ms["optimizer"] == pytest.approx(40 * estimate.count_params(a).total / 2 / rate * 1e3)
+    # FSDP 2 without PP: the all-gather copy-out twice and the reduce-scatter's fp32 cast, 14 B per
+    # parameter of the rank's units
+    assert p.terms_ms["param copies"] == pytest.approx(14 * estimate.rank_unsharded_params(a, lay, None) / rate * 1e3)
     assert p.terms_ms["moe comm"] == pytest.approx(p.comm.time_us * (a.n_layers - a.n_dense_layers) / 1e3)
     busy = sum(v for k, v in p.terms_ms.items() if k != "idle")
     assert p.terms_ms["idle"] == pytest.approx(0.1 * busy)
@@ -131,6 +133,24 @@ def test_step_terms_by_hand():
     flops = estimate.count_params(a).flops_per_token(a, 4096)
     assert p.mfu == pytest.approx(100 * flops * p.tokens_per_s_per_gpu / 1000e12)
     assert p.terms_ms["pp bubble"] == 0 and p.terms_ms["tp comm"] == 0
+
+
+def test_one_gpu_is_priced_at_ep_1():
+    """The one-GPU recipe (world 1, EP 1): no link to cross, the backend's local work is its
+    transfers' layout and fixed costs (nccl: its host sync and permutes); no FSDP, so the
+    parameter copies are autocast's casts, 12 B per parameter but the embedding's."""
+    cal = hand_calibration()
+    spec = {"gpu": "H200", "recipe": "recipes/deepseek_v3_671b_h200x1.toml", "overrides": []}
+    w, _ = scale_model.workload_from_spec(spec)
+    assert (w.layout.world, w.layout.ep, w.ep_nodes) == (1, 1, 1)
+    cluster = scale_model.cluster_for("H200", 1, 1, cal)
+    ours, nccl = (scale_model.predict(b, w, cluster, cal) for b in ("nvshmem", "nccl"))
+    assert ours.per_step("network_rows") == 0 and ours.per_step("nvlink_bytes") == 0
+    assert all(t.nvlink_us == 0 and t.network_us == 0 for t in nccl.comm.transfers)
+    assert nccl.comm.transfers[0].host_us == cal.nccl_call_us
+    p = estimate.count_params(w.args)
+    assert ours.terms_ms["param copies"] == pytest.approx(12 * (p.total - p.embedding) / (0.5 * 4.8e12) * 1e3)
+    assert ours.terms_ms["fsdp exposed"] == 0 and ours.tokens_per_s_per_gpu > nccl.tokens_per_s_per_gpu
 
 
 def test_pipeline_bubble_and_microbatches():
@@ -144,7 +164,12 @@ def test_pipeline_bubble_and_microbatches():
     assert w.microbatches == 8 and w.tokens_per_call == 4096
     per_micro = sum(p.terms_ms[k] for k in ("gemm", "attention", "memory-bound", "moe comm", "tp comm", "pp p2p")) / 8
     assert p.terms_ms["pp bubble"] == pytest.approx(3 * per_micro)  # (pp - 1) microbatch-stages, 1F1B
-    assert p.moe_calls_per_step == pytest.approx((a.n_layers - a.n_dense_layers) / 4 * 8)
+    # TorchTitan's split of 27 layers + embedding + output over 4 stages: layers 0-6, 7-13, 14-20,
+    # 21-26; a step is the busiest rank's microbatches (which one depends on the made-up parts)
+    ranks = estimate.pipeline_ranks(a, lay, 8, 1, "1F1B")
+    assert [r.layers for r in ranks] == [tuple(range(0, 7)), tuple(range(7, 14)), tuple(range(14, 21)),
+                                         tuple(range(21, 27))]
+    assert p.moe_calls_per_step / 8 in {sum(1 for i in r.layers if i >= a.n_dense_layers) for r in ranks}
     assert p.per_step("network_rows") == pytest.approx(p.comm.total("network_rows") * p.moe_calls_per_step)
 
 
@@ -160,13 +185,13 @@ def test_bad_backend_and_gpu():
 
 @pytest.fixture(scope="module")
 def validated():
-    cal = scale_calibration.calibrate()
-    return cal, {r.id: r for r in scale_validation.validate(cal)}
+    cal = calibration.calibrate()
+    return cal, {r.id: r for r in validation.validate(cal)}
 
 
 def test_every_figure_resolves_and_the_table_is_data(validated):
     _, rows = validated
-    figures = scale_validation.load_figures()
+    figures = validation.load_figures()
     assert len(rows) == len(figures) and len({f["id"] for f in figures}) == len(figures)
     assert {r.kind for r in rows.values()} == {"comm_bench", "training", "memory", "anchor"}
     assert all(r.use in ("held out", "calibration") or r.use.startswith("calibration (") for r in rows.values())
@@ -179,11 +204,15 @@ def test_comm_bench_held_out_within_6_percent(validated):
     assert max(abs(r.error_pct) for r in held) < 6.0
 
 
-def test_671b_layers_nvshmem_training_within_6_percent(validated):
+def test_671b_layers_nvshmem_training_within_8_percent(validated):
+    """The 671B-shaped layers on 2xH200: their compute is priced by the one-GPU layer benchmark,
+    which no figure of these runs touched (their profile gives the idle share only), so every
+    run is a test of it; the model is 3-7% fast (parts timed alone leave out some of what a
+    step runs between them)."""
     _, rows = validated
     runs = [r for r in rows.values() if r.kind == "training" and "671b_layers_h200x2-nvshmem" in r.id]
     assert len(runs) >= 9
-    assert max(abs(r.error_pct) for r in runs) < 6.0
+    assert max(abs(r.error_pct) for r in runs) < 8.0
     # without memory pressure (2 x 4096, 4 x 2048) the nccl path too
     light = [r for r in rows.values() if r.kind == "training" and ("nccl-b2-s4096" in r.id or "nccl-b4-s2048" in r.id)]
     assert light and max(abs(r.error_pct) for r in light) < 3.0
@@ -191,24 +220,55 @@ def test_671b_layers_nvshmem_training_within_6_percent(validated):
 
 def test_memory_within_3_percent_for_bf16_runs(validated):
     _, rows = validated
-    bf16 = [r for r in rows.values() if r.kind == "memory" and "float8" not in r.id]
+    bf16 = [r for r in rows.values() if r.kind == "memory" and "float8" not in r.id and "h200x2" in r.id]
     assert len(bf16) == 16
     assert max(abs(r.error_pct) for r in bf16) < 3.0
 
 
+def test_one_gpu_memory_and_throughput_held_out(validated):
+    """The one-GPU recipe on one H200 (world 1: no fully_shard, autocast): every measured peak in
+    use within 8% (issue 24's bound) - AC none / selective / full, local batch 1 and 2, nccl and
+    nvshmem - and its training throughput within 8%."""
+    _, rows = validated
+    mem = [r for r in rows.values() if r.kind == "memory" and "h200x1" in r.id]
+    assert len(mem) >= 6 and {"none", "selective", "full"} <= {r.id.split("-ac")[-1].split("/")[0] for r in mem}
+    assert all(r.use == "held out" for r in mem)
+    assert max(abs(r.error_pct) for r in mem) < 8.0
+    tps = [r for r in rows.values() if r.kind == "training" and "h200x1" in r.id]
+    assert {r.id.rsplit("/", 1)[1] for r in tps} >= {"nccl", "nvshmem"}
+    assert max(abs(r.error_pct) for r in tps) < 8.0
+
+
 def test_allocator_cache_constant_matches_its_fit():
-    assert scale_validation.fit_allocator_cache() == pytest.approx(
+    assert validation.fit_allocator_cache() == pytest.approx(
         estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM, abs=1.0)
 
 
-def test_nebius_anchor_calibrates_b200_and_predicts_deepep_faster(validated):
+def test_nothing_is_fitted_to_the_nebius_anchors(validated, monkeypatch):
+    """Issue 24: the anchors are read only for the validation table. They are all held out, no
+    constant names them, the B200 runs at the H200's measured GEMM efficiency, and calibrating
+    never opens the validation table."""
     cal, rows = validated
-    assert rows["anchor/nebius_671b_256xb200/standard"].error_pct == pytest.approx(0.0, abs=0.5)
-    assert 0.1 < cal.gemm_efficiency_of("B200") < cal.gemm_efficiency
+    anchors = [r for r in rows.values() if r.kind == "anchor"]
+    assert len(anchors) == 3 and all(r.use == "held out" for r in anchors)
+    assert not [a for a in cal.assumptions if "fitted" in a.name.lower() or "anchor" in a.source.lower()]
+    read = Path.read_text
+
+    def guarded(path, *args, **kwargs):
+        assert Path(path).resolve() != VALIDATION.resolve(), "calibration read the validation table"
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", guarded)
+    calibration.calibrate.cache_clear()
+    try:
+        again = calibration.calibrate()
+    finally:
+        calibration.calibrate.cache_clear()
+    assert again is not cal and again.idle_ratio == cal.idle_ratio and again.layer_bench.path == cal.layer_bench.path
+    # the model still expects DeepEP to beat the all-to-all, and MXFP8 to add to it
     deepep = rows["anchor/nebius_671b_256xb200/deepep"]
-    mxfp8 = rows["anchor/nebius_671b_256xb200/deepep_mxfp8"]
     assert deepep.predicted > rows["anchor/nebius_671b_256xb200/standard"].predicted
-    assert mxfp8.predicted > deepep.predicted
+    assert rows["anchor/nebius_671b_256xb200/deepep_mxfp8"].predicted > deepep.predicted
 
 
 def test_calibration_lists_every_constant_with_a_source(validated):
@@ -216,5 +276,86 @@ def test_calibration_lists_every_constant_with_a_source(validated):
     names = [a.name for a in cal.assumptions]
     assert len(names) == len(set(names))
     assert all(a.source for a in cal.assumptions)
-    for needle in ("GEMM efficiency", "link efficiency", "per-kernel floor", "nccl path", "B200 GEMM"):
+    for needle in ("layer parts measured", "float8 rowwise GEMMs", "MXFP8", "link efficiency", "per-kernel floor",
+                   "nccl path", "another GPU reaches"):
         assert any(needle in n for n in names), needle
+
+
+# --- the overlap and the schedule in the step -------------------------------------------------
+
+
+def test_overlap_exposure_by_hand():
+    # a0 under s, a1 under e0, b0 under e1, b1 alone; no SM share: plain excesses
+    assert scale_model.overlap_exposure((5, 4, 3, 2), (1, 6, 1), 0.0) == (4 + 0 + 2 + 2, 0.0)
+    # with the comm kernels on a quarter of the SMs: a pair costs max(a - e, a / 4) beyond e
+    exposed, slowdown = scale_model.overlap_exposure((5, 4, 3, 2), (1, 6, 1), 0.25)
+    assert exposed == 8
+    assert slowdown == pytest.approx(4 * 0.25)  # only (a1, e0) is compute-bound: a1 x share
+
+
+def test_chunked_overlap_in_the_step(two_by_two):
+    """The chunked overlap hides comm behind the experts and takes the per-call costs twice:
+    exposed + hidden = what runs, and the hidden part is what overlap_exposure leaves."""
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    a = deepseekv3_args["16B"]
+    cal = hand_calibration()
+    gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
+    cluster = Cluster(gpu, 1, 2, 400.0, 50.0)
+    lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
+    w = Workload("16B", a, lay, 1, 4096, 1, "none", (), "random", num_sms=33)
+    plain = scale_model.predict("nvshmem", w, cluster, cal)
+    chunked = scale_model.predict("nvshmem", replace(w, overlap="chunked"), cluster, cal)
+    L = a.n_layers - a.n_dense_layers
+    d, c, cb, db = (scale_model._chunk_us(t) * 1e-3 for t in chunked.comm.transfers)  # ms
+    assert chunked.moe_comm_ms == pytest.approx(L * 2 * (d + c + cb + db))
+    assert chunked.terms_ms["moe comm"] + chunked.overlapped_ms["moe comm"] == pytest.approx(chunked.moe_comm_ms)
+    rc = layer_compute.rank_ms(cal.layer_bench, w, "H200", tuple(range(a.n_layers)), True, True)
+    experts, shared = rc.moe_layer_fwd["experts"], rc.moe_layer_fwd["shared_expert"]  # ms, one MoE layer
+    ef, sf = scale_model.overlap_exposure((d, d, c, c), (shared, experts / 2, experts / 2), 33 / 132)
+    eb, sb = scale_model.overlap_exposure((db, db, cb, cb), (2 * shared, experts, experts), 33 / 132)
+    assert chunked.terms_ms["moe comm"] == pytest.approx(L * (ef + eb))
+    assert chunked.terms_ms["comm SM contention"] == pytest.approx(L * (sf + sb))
+    assert plain.terms_ms["comm SM contention"] == 0 and plain.moe_exposed_share == 1.0
+    assert chunked.moe_exposed_share < 1.0
+    with pytest.raises(ValueError, match="overlap 'sideways'"):
+        scale_model.predict("nvshmem", replace(w, overlap="sideways"), cluster, cal)
+
+
+def test_the_bubble_is_the_schedules_of_the_step_terms():
+    """With PP the bubble is moe_comm.predict.schedule's, of the per-microbatch forward, input
+    gradient (with the recompute) and weight gradient: Interleaved1F1B's (f + b)(pp - 1) / v."""
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    a = deepseekv3_args["16B"]
+    gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
+    lay = estimate.Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
+    w = Workload("16B", a, lay, 16, 4096, 1, "full", (), "random", num_sms=20, pp_schedule="Interleaved1F1B",
+                 layers_per_stage=4)
+    p = scale_model.predict("nvshmem", w, Cluster(gpu, 2, 8, 400.0, 50.0), hand_calibration())
+    assert (p.pipeline.name, p.pipeline.v, p.pipeline.microbatches) == ("Interleaved1F1B", 2, 16)
+    work = sum(v for k, v in p.terms_ms.items()
+               if k not in ("pp bubble", "optimizer", "param copies", "fsdp exposed", "idle"))
+    assert p.terms_ms["pp bubble"] == pytest.approx(work / 16 * 3 / 2)
+    zb = scale_model.predict("nvshmem", replace(w, pp_schedule="InterleavedZeroBubble"),
+                             Cluster(gpu, 2, 8, 400.0, 50.0), hand_calibration())
+    assert zb.terms_ms["pp bubble"] < p.terms_ms["pp bubble"]
+    with pytest.raises(ValueError, match="needs the microbatches"):
+        scale_model.predict("nvshmem", replace(w, local_batch=9), Cluster(gpu, 2, 8, 400.0, 50.0), hand_calibration())
+
+
+def test_dualpipev_overlap_needs_its_schedule_and_no_ac():
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    a = deepseekv3_args["16B"]
+    gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
+    cluster = Cluster(gpu, 2, 8, 400.0, 50.0)
+    lay = estimate.Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
+    w = Workload("16B", a, lay, 16, 4096, 1, "none", (), "random", num_sms=20, pp_schedule="DualPipeV")
+    plain = scale_model.predict("nvshmem", w, cluster, hand_calibration())
+    ep = scale_model.predict("nvshmem", replace(w, overlap="dualpipev"), cluster, hand_calibration())
+    assert ep.terms_ms["moe comm"] < plain.terms_ms["moe comm"] and ep.overlapped_ms["moe comm"] > 0
+    # the pairs torch's DualPipeV runs overlapped on rank 0: 2 (m - 2 pp + 1) + pp - 1 of 2 m chunks
+    assert ep.pipeline.overlapped_pairs == 2 * (16 - 8 + 1) + 3
+    with pytest.raises(ValueError, match="activation_checkpoint mode none"):
+        scale_model.predict("nvshmem", replace(w, overlap="dualpipev", ac_mode="full"), cluster, hand_calibration())

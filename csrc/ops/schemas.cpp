@@ -12,8 +12,8 @@ TORCH_LIBRARY(moe_comm, m) {
   m.def("runtime_init(Tensor uid, int rank, int[] shape, int tokens, int send_slots, int row_bytes, "
         "float timeout_s) -> ()");
   m.def("runtime_errors(bool clear) -> int[]");
-  m.def("runtime_finalize() -> ()");
-  m.def("preflight(int bytes, int iters) -> Tensor");
+  m.def("runtime_finalize(bool together) -> ()");
+  m.def("preflight(int bytes, int iters, bool send_probes) -> Tensor");
   m.def(
       "dispatch(Tensor x, Tensor topk_idx, Tensor topk_w, int num_experts, int capacity, int align, bool fp8, "
       "int num_sms, int network_sms, int[] shape) -> (Tensor recv_x, Tensor tokens_per_expert, Tensor rank_pos, "

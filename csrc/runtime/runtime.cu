@@ -231,13 +231,15 @@ std::vector<int32_t> read_errors(bool clear) {
   return out;
 }
 
-void finalize() {
+void finalize(bool together) {
   if (!g_initialized) return;
-  // After a wait gave up, peers may never arrive: skip the collective teardown.
+  // NVSHMEM's teardown is collective and waits without a bound: only when every rank agreed
+  // (Python side, bounded) that all reached it cleanly; never after a wait of this rank gave up.
   int32_t aborted = 0;
   MOE_COMM_CUDA_CHECK(cudaMemcpy(&aborted, g_buffers.wait.abort, sizeof(aborted), cudaMemcpyDeviceToHost));
   MOE_COMM_CUDA_CHECK(cudaDeviceSynchronize());
-  if (aborted == 0) {
+  const bool collective = together && aborted == 0;
+  if (collective) {
     nvshmem_barrier_all();
     for (void* ptr : g_symmetric) nvshmem_free(ptr);
   }
@@ -246,7 +248,7 @@ void finalize() {
   g_local.clear();
   MOE_COMM_CUDA_CHECK(cudaFreeHost(const_cast<int32_t*>(g_host_errors)));
   g_host_errors = nullptr;
-  if (aborted == 0) nvshmem_finalize();
+  if (collective) nvshmem_finalize();
   g_buffers = Buffers{};
   g_initialized = false;
 }

@@ -22,6 +22,8 @@ void init(const std::vector<uint8_t>& uid, const RuntimeShape& shape);
 const Buffers& buffers();
 // The error words ([kErrorWords], common/errors.h) as the GPU wrote them so far (no sync).
 std::vector<int32_t> read_errors(bool clear);
-void finalize();
+// NVSHMEM's collective teardown only when `together` (every rank agreed) and no wait of this rank
+// gave up; otherwise only this process's own buffers are freed.
+void finalize(bool together);
 
 }  // namespace moe_comm

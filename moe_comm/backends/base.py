@@ -24,6 +24,22 @@ from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 
 
+# Token chunks per MoE layer call for each [moe_comm] overlap (moe_comm.titan.overlap).
+OVERLAP_CHUNKS = {"none": 1, "chunked": 2}
+
+
+def chunk_sizes(num_tokens: int, chunks: int) -> list[int]:
+    """Token counts of `chunks` consecutive chunks, the first ones one larger when it does not
+    divide (an empty chunk is still dispatched: every rank must make the same calls)."""
+    base, extra = divmod(num_tokens, chunks)
+    return [base + (i < extra) for i in range(chunks)]
+
+
+def tokens_per_call(tokens_per_rank: int, overlap: str) -> int:
+    """Most tokens one dispatch carries: all of a rank's tokens, or the larger chunk."""
+    return chunk_sizes(tokens_per_rank, OVERLAP_CHUNKS[overlap])[0]
+
+
 @dataclass(frozen=True)
 class MoELayerSpec:
     """What a backend must know about the MoE layer it serves; fixed for the whole run."""
@@ -64,6 +80,10 @@ class RunPlan:
     """The environment the ranks start with (None: unknown), e.g. what [cluster] env_file sets."""
     launch_env_source: str = "the launch environment"  # where launch_env comes from, for messages
     python_env: str = ""  # "": the ranks run in this Python environment; else where they run
+    activation_checkpoint: str = ""  # [activation_checkpoint] mode ("": unknown)
+    dual_pipe_v: bool = False
+    """TorchTitan's DualPipeV EP overlap is on: pipeline and expert parallelism, [parallelism]
+    pipeline_parallel_schedule = "DualPipeV" and pipeline_parallel_expert_parallel_overlap."""
 
     @property
     def ep_nodes(self) -> int:
@@ -118,6 +138,9 @@ class CommBackend(ABC):
     name: ClassVar[str]
     cuda_only: ClassVar[bool] = False
     fp8_dispatch: ClassVar[bool] = False  # takes [moe_comm] dispatch_dtype = "fp8"
+    # [moe_comm] overlap values it runs (moe_comm.titan.overlap): "chunked" needs calls that
+    # run on a side stream and two dispatches in flight before their combines.
+    overlap: ClassVar[tuple[str, ...]] = ("none",)
     # The [moe_comm] fields that configure a backend (`backend` picks one, `peak_tflops` is MFU's).
     OPTIONS: ClassVar[tuple[str, ...]] = (
         "num_sms", "max_tokens_per_rank", "recv_capacity_factor", "dispatch_dtype", "virtual_node_size",
@@ -168,6 +191,27 @@ class CommBackend(ABC):
             raise RecipeError(
                 f"[moe_comm] recv_capacity_factor = {o.recv_capacity_factor} must be 0 (exact worst "
                 "case) or >= 1.0 (a multiple of the balanced load)"
+            )
+        if o.overlap not in cls.overlap:
+            raise RecipeError(
+                f'[moe_comm] overlap = "{o.overlap}": backend = "{cls.name}" runs overlap = '
+                f'{" or ".join(repr(m) for m in cls.overlap)}: set overlap = "none" or choose another backend'
+            )
+        if run.dual_pipe_v and run.activation_checkpoint not in ("", "none"):
+            raise RecipeError(
+                '[parallelism] pipeline_parallel_schedule = "DualPipeV" with '
+                "pipeline_parallel_expert_parallel_overlap = true overlaps the MoE communication "
+                "with the other microbatch's compute, which TorchTitan does not run with "
+                f'[activation_checkpoint] mode = "{run.activation_checkpoint}": set mode = "none", '
+                "or pipeline_parallel_expert_parallel_overlap = false (then [moe_comm] overlap = "
+                '"chunked" works with activation checkpointing)'
+            )
+        if run.dual_pipe_v and o.overlap != "none":
+            raise RecipeError(
+                f'[moe_comm] overlap = "{o.overlap}" and DualPipeV\'s EP overlap ([parallelism] '
+                'pipeline_parallel_schedule = "DualPipeV", pipeline_parallel_expert_parallel_overlap '
+                "= true) both hide the MoE communication, and their sync points conflict: set "
+                'overlap = "none" or pipeline_parallel_expert_parallel_overlap = false'
             )
         if o.dispatch_dtype != "bf16" and not cls.fp8_dispatch:
             raise RecipeError(

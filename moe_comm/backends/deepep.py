@@ -24,6 +24,9 @@ from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 
 PIN = "v1.2.1"  # the last DeepEP release with the V1 `Buffer` API that TorchTitan 0.2.2 calls
+# EP group sizes DeepEP v1.2.1 has kernel configurations for (`Buffer.get_dispatch_config` and
+# `get_combine_config` assert on any other, TorchTitan's DeepEP path asks for them every call).
+EP_SIZES = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
 INSTALL_HINT = (
     "[moe_comm] backend = \"deepep\" needs DeepEP v1.2.1 built from source (the `deep-ep` wheel on "
     "PyPI is a broken snapshot, DeepEP's main branch the incompatible V2). Build and install it into "
@@ -69,12 +72,24 @@ def _check_deep_ep_importable() -> list[str]:
 class DeepEPBackend(CommBackend):
     name = "deepep"
     cuda_only = True
+    overlap = ("none", "chunked")
 
     @classmethod
     def check_run(cls, run: RunPlan) -> list[str]:
         """DeepEP's own limits, which it enforces with device asserts that break the CUDA context
         (so they must never be reached): bf16 rows, an even SM count, no padding."""
         notes = super().check_run(run) + cls.check_num_sms(run)
+        if run.ep == 1:
+            raise RecipeError(
+                "[parallelism] expert_parallel_degree = 1: DeepEP has no one-rank configuration (its Buffer "
+                f"serves EP groups of {', '.join(map(str, EP_SIZES))} ranks), so at EP 1 use [moe_comm] backend = "
+                '"nvshmem" (our kernels, on one GPU too) or "nccl" (TorchTitan\'s local path)'
+            )
+        if run.ep not in EP_SIZES:
+            raise RecipeError(
+                f"[parallelism] expert_parallel_degree = {run.ep}: DeepEP {PIN} has kernel configurations for "
+                f"EP groups of {', '.join(map(str, EP_SIZES))} ranks only; pick one of those or another backend"
+            )
         if run.options.num_sms % 2:
             raise RecipeError(
                 f"[moe_comm] num_sms = {run.options.num_sms}: DeepEP needs an even SM count "

@@ -7,6 +7,10 @@ all-to-all, host sync for the split sizes, `all_to_all_single_autograd`, `_permu
 `bmm` (or sum) at the end of `MoE.forward`. Nothing is reordered or fused, so with the same seed
 the loss equals TorchTitan's own deepseek_v3 path to the bit; that keeps backend comparisons fair.
 
+At EP 1 there is nothing to exchange, and the backend is TorchTitan's own local path op for op:
+the same sort and gather, then `_permute` / `_unpermute` as TorchTitan's `indices_padding_wrapper`
+calls them around the grouped GEMM (no counts exchange, no host sync, no all-to-all).
+
 On CPU the same code runs over gloo (the `_permute` indices use TorchTitan's CPU implementation,
 installed by moe_comm.titan.cpu).
 """
@@ -24,8 +28,8 @@ from moe_comm.backends.base import CommBackend, DispatchResult, RunPlan
 class NcclHandle:
     """What combine needs to undo dispatch."""
 
-    input_splits: list[int]  # rows this rank sends to each EP rank
-    output_splits: list[int]  # rows this rank receives from each EP rank
+    input_splits: list[int] | None  # rows this rank sends to each EP rank (None at EP 1)
+    output_splits: list[int] | None  # rows this rank receives from each EP rank
     padded_shape: torch.Size  # shape of the received rows plus one zero row, before _permute
     permuted_indices_R: torch.Tensor  # _permute's gather indices (expert-major, padded)
     token_indices_sorted_TK: torch.Tensor  # argsort of topk_idx: flat (token, k) slot per row
@@ -35,6 +39,7 @@ class NcclHandle:
 
 class NcclBackend(CommBackend):
     name = "nccl"
+    overlap = ("none", "chunked")
 
     @classmethod
     def ignored_options(cls, run: RunPlan) -> dict[str, str]:
@@ -60,6 +65,14 @@ class NcclBackend(CommBackend):
             routed_x_SD = (
                 routed_x_SD.to(torch.float32) * topk_w_sorted_TK.reshape(-1, 1)
             ).to(x_TD.dtype)
+
+        if self.ep_size == 1:  # TorchTitan's indices_padding_wrapper: pad each expert's segment
+            padded_shape, recv_x_RD, permuted_indices_R, tokens_per_expert_L = _permute(
+                routed_x_SD, num_tokens_per_expert_E, 1, self.num_local_experts
+            )
+            handle = NcclHandle(None, None, padded_shape, permuted_indices_R, token_indices_sorted_TK,
+                                topk_w_TK, x_TD.dtype)
+            return DispatchResult(recv_x_RD, tokens_per_expert_L, handle)
 
         # ExpertParallel._token_dispatch
         with torch.no_grad():
@@ -107,9 +120,10 @@ class NcclBackend(CommBackend):
 
         # ExpertParallel._token_combine
         y_SD = _unpermute(y_RD, handle.padded_shape, handle.permuted_indices_R)
-        y_SD = all_to_all_single_autograd(
-            y_SD, handle.input_splits, handle.output_splits, self.ep_group
-        )
+        if self.ep_size > 1:
+            y_SD = all_to_all_single_autograd(
+                y_SD, handle.input_splits, handle.output_splits, self.ep_group
+            )
 
         # MoE.forward: unsort to (token, k) order, then the weighted sum over k
         num_tokens = handle.topk_w_TK.shape[0]

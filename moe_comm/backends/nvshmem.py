@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, RunPlan
+from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, RunPlan, tokens_per_call
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 from moe_comm.kernels import capacity
@@ -33,6 +33,18 @@ class NvshmemHandle:
     tensors: tuple  # rank_pos, send_idx, rail_counts, net_route, recv_info, slot_rows, slot_w, slot_origin
 
 
+def rows_in_compute_dtype(x_TD: torch.Tensor) -> torch.Tensor:
+    """The rows the experts compute on. Under FSDP's mixed precision a block's input is already
+    bf16; where TorchTitan trains under autocast instead (one GPU, or DDP: no FSDP to cast the
+    block's inputs) the residual stream arrives in fp32 while the grouped GEMM computes in the
+    autocast dtype, so moving fp32 rows would cost twice the bytes for nothing (and FP8 dispatch
+    quantises from bf16). Differentiable: the gradient returns in fp32."""
+    device = x_TD.device.type
+    if x_TD.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return x_TD.to(torch.get_autocast_dtype(device))
+    return x_TD
+
+
 def token_group_alignment() -> int:
     """TorchTitan's per-expert row alignment for grouped GEMMs (8 bf16, 16 fp8, 32 mxfp8),
     read at call time because the low-precision converters change it after model build."""
@@ -45,6 +57,7 @@ class NvshmemBackend(CommBackend):
     name = "nvshmem"
     cuda_only = True
     fp8_dispatch = True
+    overlap = ("none", "chunked")
     # What the kernels run (csrc/common/limits.h, read by moe_comm.kernels.limits).
     max_ranks = LIMITS.max_ranks  # ranks in one EP group
     max_ranks_per_node = LIMITS.max_ranks_per_node  # EP ranks per (virtual) node
@@ -186,8 +199,13 @@ class NvshmemBackend(CommBackend):
         return self.config.network_sms or max(1, self.config.num_sms // 2)
 
     def _start(self, x_TD: torch.Tensor) -> None:
+        # Buffers and capacities hold one call: under overlap = "chunked" a call is half a
+        # rank's tokens (the first call is already one).
+        tokens = x_TD.shape[0]
+        if self.config.max_tokens_per_rank:
+            tokens = tokens_per_call(self.config.max_tokens_per_rank, self.config.overlap)
         request = RuntimeRequest(
-            tokens=self.config.max_tokens_per_rank or x_TD.shape[0],
+            tokens=tokens,
             num_experts=self.layer.num_experts,
             top_k=self.layer.top_k,
             row_bytes=x_TD.shape[1] * x_TD.element_size(),
@@ -231,13 +249,15 @@ class NvshmemBackend(CommBackend):
         raise RuntimeError(f"{where}: a token picked the same expert twice (topk indices must be distinct per token)")
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> DispatchResult:
+        x_TD = rows_in_compute_dtype(x_TD)
         if self.runtime is None:
             self._start(x_TD)
         self.check_errors()
         sizes = self.runtime.sizes
         if x_TD.shape[0] > sizes.tokens:
             raise ValueError(
-                f"{x_TD.shape[0]} tokens on this rank exceed [moe_comm] max_tokens_per_rank = {sizes.tokens}"
+                f"{x_TD.shape[0]} tokens in one call exceed the {sizes.tokens} that [moe_comm] max_tokens_per_rank = "
+                f"{self.config.max_tokens_per_rank} allows per call (overlap = {self.config.overlap!r})"
             )
         align = token_group_alignment()
         self.capacity = capacity.expert_rows(sizes.tokens, self.layer.num_experts, self.layer.top_k, self.ep_size,

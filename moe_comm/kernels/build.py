@@ -17,6 +17,7 @@ device-links the kernels; only the final link needs a CUDA torch.
 """
 
 import argparse
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -168,17 +169,25 @@ def build(archs: tuple[str, ...], out_dir: Path, compile_only: bool = False, ver
 def library_path(archs: tuple[str, ...] | None = None) -> Path:
     """The built library for this GPU (MOE_COMM_LIBRARY if set), building it on first use.
 
-    Concurrent first uses each build in their own folder and atomically rename the result.
+    Processes of one machine take turns (a lock file beside the cache entry), so eight ranks
+    that each start a one-rank EP group compile it once, not eight times side by side; each
+    build still lands by an atomic rename, which keeps processes of several machines sharing
+    one cache folder (a shared filesystem, where the lock may not reach) safe too.
     """
     prebuilt = os.environ.get("MOE_COMM_LIBRARY")
     if prebuilt:
         return Path(prebuilt)
     archs = archs or (current_arch(),)
     library = default_cache_dir() / cache_key(archs) / LIBRARY_NAME
-    if not library.exists():
-        tmp = library.parent / f"build-{os.getpid()}"
-        os.replace(build(archs, tmp), library)
-        shutil.rmtree(tmp, ignore_errors=True)
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with open(library.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.exists():
+            tmp = library.parent / f"build-{os.getpid()}"
+            os.replace(build(archs, tmp), library)
+            shutil.rmtree(tmp, ignore_errors=True)
     return library
 
 

@@ -5,6 +5,12 @@ kernels make that safe, see csrc/runtime/buffers.h). NVSHMEM is bootstrapped by 
 the EP group's torch.distributed group, so it works the same under torchrun and srun, with NCCL
 or gloo (several ranks sharing one GPU).
 
+Teardown is agreed before it is done: NVSHMEM's collective teardown waits without a bound for
+every peer, so `finalize` first asks the ranks, through the job's store with a bound
+(moe_comm.kernels.peers), whether all of them reached it with no wait given up; only then do
+they tear NVSHMEM down together. Otherwise each skips it with a one-line note (the process's
+exit frees the GPU memory), so a peer that died, hangs or gave up never holds the others.
+
 The node layout comes from the ranks themselves: the ranks of one host must be consecutive in
 the EP group and equally many per host (TorchTitan's meshes place them so); `[moe_comm]
 virtual_node_size` splits a host into smaller nodes, so the inter-node protocol runs between
@@ -13,6 +19,7 @@ the cluster's (NVSHMEM_REMOTE_TRANSPORT from the platform env file) on several.
 """
 
 import atexit
+import hashlib
 import os
 import socket
 import sys
@@ -26,8 +33,12 @@ from moe_comm.kernels.build import library_path
 from moe_comm.kernels.capacity import BufferSizes, buffer_sizes
 from moe_comm.kernels.errors import KernelErrors
 from moe_comm.kernels.limits import LIMITS
+from moe_comm.kernels.peers import job_store, PeerBoard
 
 INIT_TIMEOUT_S = float(os.environ.get("MOE_COMM_INIT_TIMEOUT", "180"))
+# Once every rank has said it reached the teardown cleanly, the time each may take to post that
+# it will tear down together (they post it at once; this bounds a process descheduled meanwhile).
+TEARDOWN_DECISION_TIMEOUT_S = 5.0
 # Headroom on top of what the buffers need: NVSHMEM keeps some of the heap for itself.
 HEAP_HEADROOM_BYTES = 256 << 20
 NETWORK_TRANSPORTS = ("ibrc", "ibgda", "ucx", "libfabric", "ibdevx")
@@ -106,6 +117,7 @@ class NvshmemRuntime:
         self.sizes = sizes
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.board: PeerBoard | None = None  # set once NVSHMEM's unique id is known
 
     @classmethod
     def start(cls, group: dist.ProcessGroup, request: RuntimeRequest) -> "NvshmemRuntime":
@@ -157,6 +169,8 @@ class NvshmemRuntime:
 
         uid = [torch.ops.moe_comm.runtime_unique_id() if self.rank == 0 else None]
         dist.broadcast_object_list(uid, src=dist.get_global_rank(self.group, 0), group=self.group)
+        job = hashlib.sha1(bytes(uid[0].tolist())).hexdigest()[:16]  # one NVSHMEM job's posts
+        self.board = PeerBoard(job_store(), f"moe_comm/nvshmem/{job}", self.world, self.rank)
 
         done = threading.Event()
         watchdog = threading.Thread(target=self._watch_init, args=(done,), daemon=True)
@@ -196,10 +210,48 @@ class NvshmemRuntime:
         os._exit(3)
 
     def finalize(self) -> None:
+        """Tear NVSHMEM down: together when every rank of the group reached this point with no
+        wait given up (agreed through the job's store, bounded), else alone, skipping NVSHMEM's
+        collective teardown with a one-line note. Bounded either way: wait_timeout_s for a peer
+        that never arrives, TEARDOWN_DECISION_TIMEOUT_S more once all have."""
         global _runtime
-        if _runtime is self:
-            torch.ops.moe_comm.runtime_finalize()
-            _runtime = None
+        if _runtime is not self:
+            return
+        _runtime = None
+        torch.cuda.synchronize()  # every kernel's waits are bounded, so this returns
+        together, why = self.agree_teardown()
+        torch.ops.moe_comm.runtime_finalize(together)
+        if not together:
+            print(f"moe_comm: NVSHMEM's collective teardown skipped on EP rank {self.rank} of {self.world}: {why}",
+                  file=sys.stderr, flush=True)
+
+    def agree_teardown(self) -> tuple[bool, str]:
+        """(tear down together, why not). A rank whose own wait gave up never does; a clean
+        rank does only if every rank posts "clean" within wait_timeout_s and then every rank
+        posts that it will, so no rank enters NVSHMEM's unbounded barrier alone."""
+        mine = "aborted" if self.errors().timeout_kernel else "clean"
+        board = self.board
+        if board is None:
+            return False, "the job's store was never reached"
+        board.post("teardown", mine)
+        if mine == "aborted":
+            board.post("teardown-together", "no")
+            return False, "a wait of this rank gave up"
+        arrived = board.gather("teardown", self.request.wait_timeout_s)
+        missing = sorted(set(range(self.world)) - set(arrived))
+        aborted = sorted(r for r, v in arrived.items() if v != "clean")
+        ok = not missing and not aborted
+        board.post("teardown-together", "yes" if ok else "no")
+        if not ok:
+            if aborted:
+                return False, f"EP rank(s) {aborted} gave up waiting for a peer"
+            return False, (f"EP rank(s) {missing} did not reach the end within wait_timeout_s = "
+                           f"{self.request.wait_timeout_s:g} s (dead, hung or still busy)")
+        decided = board.gather("teardown-together", TEARDOWN_DECISION_TIMEOUT_S)
+        if len(decided) < self.world or any(v != "yes" for v in decided.values()):
+            late = sorted(set(range(self.world)) - set(decided))
+            return False, f"EP rank(s) {late or sorted(r for r, v in decided.items() if v != 'yes')} did not agree"
+        return True, ""
 
     @staticmethod
     def errors(clear: bool = False) -> KernelErrors:

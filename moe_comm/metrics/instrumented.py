@@ -3,16 +3,23 @@
 `instrument(backend)` returns an `InstrumentedBackend`: the same interface, delegating to the
 backend, that records per MoE layer
 
-- time: a pair of CUDA events on the current (compute) stream around each forward call, and a
-  pair around each backward (dispatch's backward moves gradients like a combine, combine's like
-  a dispatch), recorded by identity autograd functions on the op's inputs and outputs. Events
-  are read when the metrics processor logs, after TorchTitan's `.item()` has already synced;
-  an event not yet complete is kept for the next log. On CPU the clock is wall time (CPU ops
-  are synchronous). The interval is the compute stream's time inside the op, including waits
-  on comm kernels and host syncs (NCCL's split-size `.tolist()`): comm that is NOT hidden.
+- time: a pair of CUDA events on the current stream (the one the op runs on) around each
+  forward call, and a pair around each backward (dispatch's backward moves gradients like a
+  combine, combine's like a dispatch), recorded by identity autograd functions on the op's
+  inputs and outputs (autograd runs them on the op's stream). Events are read when the
+  metrics processor logs, after TorchTitan's `.item()` has already synced; an event not yet
+  complete is kept for the next log. On CPU the clock is wall time (CPU ops are synchronous).
+  The interval is that stream's time inside the op, including waits on comm kernels and host
+  syncs (NCCL's split-size `.tolist()`).
   Backward intervals may include other autograd nodes the engine runs in between; forward
   intervals are exact. Recomputation under activation checkpointing is timed too (it is time
   the step spends), into the forward keys.
+- exposed time: without overlap the op runs on the compute stream, so its interval is all
+  exposed. Under an overlap (moe_comm.titan.overlap) the op runs on a side stream and its
+  interval is the comm's own duration there; the overlap then reports each place the compute
+  stream waits for it (`record_wait`: an event on the compute stream before and after the
+  wait), and only those waits count as exposed. On CPU nothing runs beside anything else, so
+  the overlap reports no waits and every interval stays exposed.
 - routing: routed rows per expert (device tensor, for token imbalance) and rows that leave this
   rank (device tensor, for bytes), from topk_idx_TK with scatter/sum kernels, never `.item()`.
   Counted in the first forward only (not in recomputation); backward bytes equal forward bytes.
@@ -24,6 +31,7 @@ backend, that records per MoE layer
 Set MOE_COMM_INSTRUMENT=0 to get the bare backend back (to measure this module's cost).
 """
 
+import math
 import os
 import time
 import weakref
@@ -131,17 +139,21 @@ class LayerCommStats:
         self.num_experts = num_experts
         self.calls = 0  # instrumented dispatches since the last log
         self.intervals: list[tuple[str, Stamp, Stamp]] = []
+        # the compute stream's waits for this layer's comm; their presence means the comm runs
+        # on a side stream, and then they (not the intervals) are the exposed time
+        self.waits: list[tuple[str, Stamp, Stamp]] = []
+        self.overlapped = False
         self.rows_per_expert_E: torch.Tensor | None = None
         self.bytes: dict[str, torch.Tensor] = {}
         # where the counts live; until the first dispatch, where collectives would run
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def add_interval(self, phase: str, start: Stamp, end: Stamp) -> None:
-        if len(self.intervals) >= MAX_PENDING_INTERVALS:
-            # nobody is reading (a script using a backend without our metrics processor):
-            # keep memory bounded, drop the oldest half
-            del self.intervals[: MAX_PENDING_INTERVALS // 2]
-        self.intervals.append((phase, start, end))
+        _append_bounded(self.intervals, (phase, start, end))
+
+    def add_wait(self, phase: str, before: Stamp, after: Stamp) -> None:
+        self.overlapped = True
+        _append_bounded(self.waits, (phase, before, after))
 
     def add_bytes(self, phase: str, nbytes: torch.Tensor) -> None:
         self.bytes[phase] = self.bytes[phase] + nbytes if phase in self.bytes else nbytes
@@ -162,15 +174,37 @@ class LayerCommStats:
 
     def take_times_ms(self) -> dict[str, float]:
         """Milliseconds per phase of the intervals whose end the device has passed."""
-        times = defaultdict(float)
-        pending = []
-        for phase, start, end in self.intervals:
-            if _ready(end):
-                times[phase] += _elapsed_ms(start, end)
-            else:
-                pending.append((phase, start, end))
-        self.intervals = pending
-        return dict(times)
+        times, self.intervals = _take_ms(self.intervals)
+        return times
+
+    def take_exposed_ms(self, times_ms: dict[str, float]) -> dict[str, float]:
+        """Milliseconds per phase the compute stream spent on this layer's comm: `times_ms`
+        (what take_times_ms just returned) when the comm runs on it, else its waits."""
+        if not self.overlapped:
+            return times_ms
+        exposed, self.waits = _take_ms(self.waits)
+        return exposed
+
+
+def _append_bounded(pending: list, item) -> None:
+    if len(pending) >= MAX_PENDING_INTERVALS:
+        # nobody is reading (a script using a backend without our metrics processor):
+        # keep memory bounded, drop the oldest half
+        del pending[: MAX_PENDING_INTERVALS // 2]
+    pending.append(item)
+
+
+def _take_ms(pending: list) -> tuple[dict[str, float], list]:
+    """(milliseconds per phase of the (phase, start, end) whose end the device has passed,
+    the ones it has not passed yet)."""
+    times = defaultdict(float)
+    left = []
+    for phase, start, end in pending:
+        if _ready(end):
+            times[phase] += _elapsed_ms(start, end)
+        else:
+            left.append((phase, start, end))
+    return dict(times), left
 
 
 def rows_per_expert(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -289,6 +323,11 @@ class InstrumentedBackend:
         console.watch.phase("running the first step")
         return result
 
+    def record_wait(self, phase: str, before: Stamp, after: Stamp) -> None:
+        """The compute stream waited for this layer's `phase` ("dispatch_fwd", ...) between
+        events `before` and `after` on it (moe_comm.titan.overlap calls it)."""
+        self.stats.add_wait(phase, before, after)
+
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
         if not self._active():
             return self.backend.combine(y_RD, handle)
@@ -334,10 +373,13 @@ def summarize(backends: list[InstrumentedBackend], steps: int) -> dict[str, floa
         return {}
     for backend in backends:
         backend.stats.calls = 0
-    times_ms = defaultdict(float)
+    times_ms, exposed_ms = defaultdict(float), defaultdict(float)
     for backend in backends:
-        for phase, ms in backend.stats.take_times_ms().items():
+        times = backend.stats.take_times_ms()
+        for phase, ms in times.items():
             times_ms[phase] += ms
+        for phase, ms in backend.stats.take_exposed_ms(times).items():
+            exposed_ms[phase] += ms
     metrics = {
         keys.DISPATCH_FWD_MS: times_ms["dispatch_fwd"] / steps,
         keys.DISPATCH_BWD_MS: times_ms["dispatch_bwd"] / steps,
@@ -347,6 +389,12 @@ def summarize(backends: list[InstrumentedBackend], steps: int) -> dict[str, floa
     metrics[keys.DISPATCH_MS] = metrics[keys.DISPATCH_FWD_MS] + metrics[keys.DISPATCH_BWD_MS]
     metrics[keys.COMBINE_MS] = metrics[keys.COMBINE_FWD_MS] + metrics[keys.COMBINE_BWD_MS]
     metrics[keys.COMM_MS] = metrics[keys.DISPATCH_MS] + metrics[keys.COMBINE_MS]
+    metrics[keys.DISPATCH_EXPOSED_MS] = (exposed_ms["dispatch_fwd"] + exposed_ms["dispatch_bwd"]) / steps
+    metrics[keys.COMBINE_EXPOSED_MS] = (exposed_ms["combine_fwd"] + exposed_ms["combine_bwd"]) / steps
+    metrics[keys.COMM_EXPOSED_MS] = metrics[keys.DISPATCH_EXPOSED_MS] + metrics[keys.COMBINE_EXPOSED_MS]
+    if any(b.stats.overlapped for b in backends):
+        comm_ms = metrics[keys.COMM_MS]
+        metrics[keys.COMM_HIDDEN_PCT] = 100 * (1 - metrics[keys.COMM_EXPOSED_MS] / comm_ms) if comm_ms > 0 else math.nan
 
     # bytes: one host read for all layers and phases (the step already synced at .item())
     device = backends[0].stats.device

@@ -10,6 +10,7 @@ JSONL_NAME = "metrics.jsonl"
 
 # TorchTitan 0.2.2 (torchtitan/components/metrics.py, MetricsProcessor.log)
 LOSS = "loss_metrics/global_avg_loss"
+GRAD_NORM = "grad_norm"  # total norm of the gradients before clipping ([training] max_norm)
 TPS = "throughput(tps)"  # tokens/s per GPU
 TFLOPS = "tflops"
 MFU = "mfu(%)"  # against the peak chosen by moe_comm.metrics.peaks (8-bit peak under fp8)
@@ -25,9 +26,14 @@ DISPATCH_FWD_MS = PREFIX + "dispatch_fwd_ms"
 DISPATCH_BWD_MS = PREFIX + "dispatch_bwd_ms"
 COMBINE_FWD_MS = PREFIX + "combine_fwd_ms"
 COMBINE_BWD_MS = PREFIX + "combine_bwd_ms"
-COMM_MS = PREFIX + "comm_ms"  # dispatch_ms + combine_ms: compute-stream time inside comm
+COMM_MS = PREFIX + "comm_ms"  # dispatch_ms + combine_ms: time inside comm, on the stream it runs on
+# Exposed: time the compute stream spent in (no overlap) or waiting for (overlap) MoE comm.
+DISPATCH_EXPOSED_MS = PREFIX + "dispatch_exposed_ms"
+COMBINE_EXPOSED_MS = PREFIX + "combine_exposed_ms"
+COMM_EXPOSED_MS = PREFIX + "comm_exposed_ms"  # dispatch_exposed_ms + combine_exposed_ms
+COMM_HIDDEN_PCT = PREFIX + "comm_hidden(%)"  # 100 * (1 - comm_exposed_ms / comm_ms), under overlap only
 STEP_MS = PREFIX + "step_ms"  # wall time per step between log lines
-COMM_EXPOSED_PCT = PREFIX + "comm_exposed(%)"  # 100 * comm_ms / step_ms
+COMM_EXPOSED_PCT = PREFIX + "comm_exposed(%)"  # 100 * comm_exposed_ms / step_ms
 IMBALANCE_RANK = PREFIX + "imbalance_rank"  # max/mean routed rows per EP rank, mean over layers
 IMBALANCE_RANK_WORST = PREFIX + "imbalance_rank_worst"  # ... worst layer
 IMBALANCE_EXPERT = PREFIX + "imbalance_expert"  # max/mean routed rows per expert, mean over layers

@@ -59,6 +59,8 @@ def run_identity(job_config, nodes: int, procs_per_node: int) -> dict[str, Any]:
     if config.backend == "nvshmem":
         backend.update(dispatch_dtype=config.dispatch_dtype, virtual_node_size=config.virtual_node_size,
                        network_sms=config.network_sms)
+    if config.overlap != "none":  # absent when off, so runs from before the field keep their identity
+        backend["overlap"] = config.overlap
     world = nodes * procs_per_node
     others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
     dp_shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else world // max(others, 1)
@@ -92,6 +94,8 @@ def _backend_tag(identity: dict[str, Any]) -> str:
         tag += f"-vn{identity['virtual_node_size']}"
     if identity.get("network_sms"):
         tag += f"-net{identity['network_sms']}"
+    if identity.get("overlap"):
+        tag += f"-{identity['overlap']}"
     return tag
 
 

@@ -11,8 +11,9 @@ the metrics rank writes them all:
 - `moe_comm/pp{r}/<metric>`: the comm of pipeline rank r (its stages' MoE layers);
 - the usual `moe_comm/<metric>` keys for the whole model: times and bytes summed over stages
   (they are summed over MoE layers without PP too), imbalance averaged over all MoE layers
-  (worst: the worst layer), and `comm_exposed(%)` of the stage that spends the largest share of
-  the step in comm (the stages run concurrently, so the busiest one is what bounds the step).
+  (worst: the worst layer), `comm_exposed(%)` of the stage that spends the largest share of
+  the step in comm (the stages run concurrently, so the busiest one is what bounds the step),
+  and under an overlap `comm_hidden(%)` of all stages' comm together.
 """
 
 import math
@@ -25,13 +26,13 @@ from moe_comm.metrics import keys, settle
 # What a stage contributes, in this order on the wire.
 SUMMED = (
     keys.DISPATCH_MS, keys.COMBINE_MS, keys.DISPATCH_FWD_MS, keys.DISPATCH_BWD_MS,
-    keys.COMBINE_FWD_MS, keys.COMBINE_BWD_MS, keys.COMM_MS, keys.DISPATCH_GB, keys.COMBINE_GB,
-    keys.SENT_GB,
+    keys.COMBINE_FWD_MS, keys.COMBINE_BWD_MS, keys.COMM_MS, keys.DISPATCH_EXPOSED_MS,
+    keys.COMBINE_EXPOSED_MS, keys.COMM_EXPOSED_MS, keys.DISPATCH_GB, keys.COMBINE_GB, keys.SENT_GB,
 )
 LAYER_MEAN = (keys.IMBALANCE_RANK, keys.IMBALANCE_EXPERT)
 LAYER_WORST = (keys.IMBALANCE_RANK_WORST, keys.IMBALANCE_EXPERT_WORST)
 PER_STAGE = (keys.DISPATCH_MS, keys.COMBINE_MS, keys.COMM_EXPOSED_PCT, keys.SENT_GB, keys.IMBALANCE_RANK)
-_FIELDS = SUMMED + LAYER_MEAN + LAYER_WORST
+_FIELDS = SUMMED + LAYER_MEAN + LAYER_WORST + (keys.COMM_HIDDEN_PCT,)
 
 
 def stage_key(pp_rank: int, key: str) -> str:
@@ -89,7 +90,7 @@ class PipelineStages:
         merged: dict[str, float] = {}
         measured = [(r, row) for r, row in enumerate(rows) if not math.isnan(row[keys.COMM_MS])]
         for r, row in measured:
-            row[keys.COMM_EXPOSED_PCT] = 100 * row[keys.COMM_MS] / step_ms if step_ms > 0 else math.nan
+            row[keys.COMM_EXPOSED_PCT] = 100 * row[keys.COMM_EXPOSED_MS] / step_ms if step_ms > 0 else math.nan
             for key in PER_STAGE:
                 merged[stage_key(r, key)] = row[key]
         if measured:
@@ -102,5 +103,10 @@ class PipelineStages:
             for key in LAYER_WORST:
                 merged[key] = max(row[key] for row in stage_rows)
             merged[keys.COMM_EXPOSED_PCT] = max(row[keys.COMM_EXPOSED_PCT] for row in stage_rows)
+            if any(not math.isnan(row[keys.COMM_HIDDEN_PCT]) for row in stage_rows):  # an overlap ran
+                comm_ms = merged[keys.COMM_MS]
+                merged[keys.COMM_HIDDEN_PCT] = (
+                    100 * (1 - merged[keys.COMM_EXPOSED_MS] / comm_ms) if comm_ms > 0 else math.nan
+                )
         owner = rows[self.loss_rank]
         return owner["loss"], owner["max_loss"], merged

@@ -9,8 +9,11 @@ TorchTitan's own step line still goes to the rank's log file (moe_comm.console).
 pipeline parallelism the stages share their loss and comm (moe_comm.metrics.pipeline).
 
 "Comm not hidden" (moe_comm/comm_exposed(%)) = time the compute stream spends inside dispatch
-and combine, forward and backward, all MoE layers (moe_comm/comm_ms), over the wall time of a
-step (moe_comm/step_ms). See moe_comm.metrics.instrumented for how the intervals are measured.
+and combine (no overlap) or waiting for them (under [moe_comm] overlap or DualPipeV's EP
+overlap), forward and backward, all MoE layers (moe_comm/comm_exposed_ms), over the wall time of
+a step (moe_comm/step_ms); under an overlap moe_comm/comm_hidden(%) is the share of the comm
+time (moe_comm/comm_ms) the compute stream did not wait for. See moe_comm.metrics.instrumented
+for how both are measured.
 """
 
 import json
@@ -242,7 +245,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
         mine = summarize(backends, steps)  # this rank's MoE layers (collective over its EP group)
         if mine:
             mine[keys.STEP_MS] = 1e3 * step_s
-            mine[keys.COMM_EXPOSED_PCT] = 100 * mine[keys.COMM_MS] / mine[keys.STEP_MS]
+            mine[keys.COMM_EXPOSED_PCT] = 100 * mine[keys.COMM_EXPOSED_MS] / mine[keys.STEP_MS]
         ours = dict(mine)
         if self.stages:
             global_avg_loss, global_max_loss, ours = self.stages.gather(
@@ -283,8 +286,6 @@ class MoECommMetricsProcessor(MetricsProcessor):
         measured = keys.COMM_MS in mine
         if measured:
             note = ""
-        elif not self.parallel_dims.ep_enabled:
-            note = "no expert parallelism"
         elif os.environ.get("MOE_COMM_INSTRUMENT", "1") == "0":
             note = "MOE_COMM_INSTRUMENT=0"
         else:
@@ -304,6 +305,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
             dispatch_ms=mine[keys.DISPATCH_MS] if measured else None,
             combine_ms=mine[keys.COMBINE_MS] if measured else None,
             comm_pct=mine[keys.COMM_EXPOSED_PCT] if measured else None,
+            hidden_pct=mine.get(keys.COMM_HIDDEN_PCT),
             comm_note=note,
             pp_stage=(self.stages.rank, self.stages.size) if self.stages else None,
             first_step=console.watch.summary() if len(self._losses) == 0 else "",

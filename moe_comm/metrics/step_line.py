@@ -7,7 +7,8 @@ It replaces TorchTitan's step line and the comm line this package used to print 
 the loss, gradient norm, tokens/s and memory are TorchTitan's own numbers; the MFU is the one
 moe_comm.metrics.peaks defines (named with its peak and dtype, so a float8 run's figure reads
 as what it is); dispatch/combine are this rank's MoE comm (forward + backward, all its MoE
-layers) and the share of the step the compute stream spent inside them. Under pipeline
+layers) and the share of the step the compute stream spent inside them, or under an overlap
+waiting for them, with the share of the comm time hidden beside it. Under pipeline
 parallelism the line names the rank's pipeline rank (`pp1 of 8`): the comm is that rank's
 stages', the loss the last stage's.
 """
@@ -45,6 +46,7 @@ class StepLine:
     combine_ms: float | None
     comm_pct: float | None
     comm_note: str = ""
+    hidden_pct: float | None = None  # under an overlap: share of the comm time hidden
     pp_stage: tuple[int, int] | None = None  # (this rank's pipeline rank, pipeline degree)
     first_step: str = ""  # one-time work inside this step (torch.compile, backend start-up)
 
@@ -69,9 +71,10 @@ class StepLine:
         if self.dispatch_ms is None:
             parts.append(f"{c.cyan}comm n/a ({self.comm_note}){c.reset}")
         else:
+            hidden = "" if self.hidden_pct is None else f", {self.hidden_pct:.0f}% hidden"
             parts.append(
                 f"{c.cyan}dispatch {self.dispatch_ms:.1f}ms combine {self.combine_ms:.1f}ms "
-                f"({self.comm_pct:.1f}% of step){c.reset}"
+                f"({self.comm_pct:.1f}% of step{hidden}){c.reset}"
             )
         line = "  ".join(parts)
         if self.first_step:

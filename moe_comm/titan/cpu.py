@@ -13,6 +13,10 @@ answers one CUDA assumption measured in TorchTitan 0.2.2 (see NOTES §1); nothin
    the input's integer dtype, as CUDA returns them.
 4. FSDP with gradient divide factor 1.0 reduces with `ReduceOp.PREMUL_SUM`, which gloo lacks;
    `force_sum_reduction` gives the same numbers with SUM (called from our parallelize_fn).
+5. DualPipeV's overlap callback (`distributed/dual_pipe_v.py`) asks
+   `torch.accelerator.current_stream(device_type)` for the stream of its backward thread and
+   sets it with `device_module.set_stream`; a CPU build raises "Accelerator expected". CPU has
+   no streams: the CPU's stream object is returned for "cpu", and setting it does nothing.
 """
 
 import functools
@@ -47,6 +51,7 @@ CpuDeviceModule = types.SimpleNamespace(
     current_device=lambda: 0,
     device_count=lambda: 1,
     synchronize=lambda device=None: None,
+    set_stream=lambda stream: None,
     is_available=lambda: True,
     get_device_name=lambda device=None: "CPU",
     get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=_cpu_total_memory()),
@@ -64,6 +69,16 @@ def _histc_counting_ints(original):
         return original(input, *args, **kwargs)
 
     return histc
+
+
+def _cpu_stream_for_cpu(original):
+    @functools.wraps(original)
+    def current_stream(device=None):
+        if device == "cpu" or getattr(device, "type", None) == "cpu":
+            return torch.cpu.current_stream()
+        return original(device)
+
+    return current_stream
 
 
 def apply() -> None:
@@ -104,6 +119,9 @@ def apply() -> None:
 
     # 3. histc on integer expert ids.
     torch.histc = _histc_counting_ints(torch.histc)
+
+    # 5. the stream DualPipeV's backward thread runs on.
+    torch.accelerator.current_stream = _cpu_stream_for_cpu(torch.accelerator.current_stream)
 
 
 def force_sum_reduction(model: torch.nn.Module) -> None:

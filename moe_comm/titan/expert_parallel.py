@@ -6,6 +6,9 @@ mesh. It registers no input/output hooks: `apply_backend_ep` attaches the backen
 [moe_comm] (wrapped by moe_comm.metrics.instrument) to the `TokenLevelMoE`, whose forward calls
 backend.dispatch before the grouped experts and backend.combine after them (see
 moe_comm.titan.model for why the calls live there).
+
+The backend is attached at EP 1 too, over the rank's own one-rank "ep" mesh, so a recipe's
+backend is what runs whatever the EP degree; only EP > 1 shards the expert weights.
 """
 
 import torch.nn as nn
@@ -34,7 +37,8 @@ class BackendExpertParallel(ParallelStyle):
 
 
 def apply_backend_ep(model: nn.Module, ep_mesh: DeviceMesh, config: MoEComm) -> None:
-    """Attach a backend (wrapped by moe_comm.metrics.instrument) to every MoE layer's experts."""
+    """Attach a backend (wrapped by moe_comm.metrics.instrument) to every MoE layer's experts;
+    with more than one rank in `ep_mesh`, shard the experts over it."""
     ep_group = ep_mesh.get_group()
     console.watch.phase(
         f"building the {config.backend!r} backend for each MoE layer (the first nvshmem run on a "
@@ -55,7 +59,9 @@ def apply_backend_ep(model: nn.Module, ep_mesh: DeviceMesh, config: MoEComm) -> 
             hidden=moe.experts.w1.shape[-1],
             score_before_experts=moe.score_before_experts,
         )
-        parallelize_module(moe.experts, ep_mesh, BackendExpertParallel())
+        if ep_mesh.size() > 1:
+            parallelize_module(moe.experts, ep_mesh, BackendExpertParallel())
+        moe.experts.rows_from_backend = True
         moe.comm_backend = metrics.instrument(build_backend(config, layer, ep_group))
     logger.info(f"MoE dispatch/combine through the {config.backend!r} backend (moe_comm)")
     console.watch.phase("setting up the model (sharding, weight init, checkpoint load)")

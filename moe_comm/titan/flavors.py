@@ -5,7 +5,15 @@ sigmoid top-8 routing with node-limited groups, one shared expert, moe_inter_dim
 fit two H200s: 1 dense + 2 MoE layers with 64 routed experts instead of 58 + 256, and SDPA
 causal attention instead of FlexAttention. NOTES §1 measured this shape at 4 x 4096 tokens per
 GPU, EP=2, no AC: 17.4k tok/s/GPU, MFU about 34%, 137 GB/GPU.
+
+The one-GPU flavors keep the same layers and cut the expert count so that fp32 parameters,
+AdamW moments and gradients (16 bytes per parameter, the bulk of a one-GPU step's memory) fit:
+"671B_layers_1gpu" (an H200, 141 GB): 1 dense + 2 MoE layers of 32 experts, 5.7B parameters;
+each expert then gets 2,048 rows of an 8,192-token batch, about half the 4,096 a flagship rank's
+expert gets at EP 32. "671B_layers_1gpu_80gb" (an 80 GB H100): 1 dense + 1 MoE layer of 16.
 """
+
+import dataclasses
 
 from torchtitan.models.deepseek_v3 import deepseekv3_args, DeepSeekV3ModelArgs
 from torchtitan.models.moe import MoEArgs
@@ -39,6 +47,15 @@ FLAVORS = {
         attn_mask_type="causal",
     ),
 }
+
+
+_LAYERS = FLAVORS["671B_layers"]
+FLAVORS["671B_layers_1gpu"] = dataclasses.replace(
+    _LAYERS, n_layers=3, moe_args=dataclasses.replace(_LAYERS.moe_args, num_experts=32)
+)
+FLAVORS["671B_layers_1gpu_80gb"] = dataclasses.replace(
+    _LAYERS, n_layers=2, moe_args=dataclasses.replace(_LAYERS.moe_args, num_experts=16)
+)
 
 
 def register() -> None:

@@ -13,15 +13,77 @@ casts every floating-point input to the bf16 param dtype, which would round the 
 weights before combine. TorchTitan's standard path never passes them through that module, so
 to match it bit for bit in bf16 they must not either.
 
-Without expert parallelism (no backend attached) it runs TorchTitan's standard forward.
+The backend is attached at every EP degree, EP 1 included (one rank holds every expert), so
+the recipe's backend is what runs: at EP 1 nothing crosses a link, and the backend's local work
+(the nccl backend: TorchTitan's own sort, gather and padding permute; nvshmem: its layout
+kernels) is what the step pays. Rows reach the experts already laid out for the grouped GEMM
+(`TokenLevelExperts`).
+
+With `[moe_comm] overlap = "chunked"`, or under DualPipeV's EP overlap (`dual_pipe_v`, set by
+moe_comm.titan.parallelize), the tail after the router is moe_comm.titan.overlap's: dispatch and
+combine on the comm stream, chunk by chunk, beside the experts' compute.
+
+Without a backend (a model built outside moe_comm.titan's parallelize) it runs TorchTitan's
+standard forward.
 """
 
+from typing import Callable
+
 import torch
+from torch.distributed.tensor import DTensor
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
 from torchtitan.models.moe import MoE
-from torchtitan.models.moe.moe import MoEArgs
+from torchtitan.models.moe import moe as titan_moe
+from torchtitan.models.moe.moe import GroupedExperts, MoEArgs
 
 from moe_comm.backends.base import CommBackend
+from moe_comm.titan import overlap
+
+
+class TokenLevelExperts(GroupedExperts):
+    """TorchTitan's GroupedExperts (same parameters and init) whose input comes from a backend's
+    dispatch, already expert-major as the grouped GEMM takes it (nccl and nvshmem pad each
+    expert's segment to TOKEN_GROUP_ALIGN_SIZE_M; deepep's exact segments suit bf16), and that can
+    run several token chunks in one call.
+
+    TorchTitan pads inside the experts module when the weights are not sharded on an "ep" mesh
+    (`indices_padding_wrapper`), i.e. at EP 1; rows a backend laid out must not be gathered and
+    scattered a second time, so once `rows_from_backend` is set the grouped GEMM runs on them as
+    they are, at every EP degree. Chunks run in one call so FSDP gathers and reduces the expert
+    weights once per layer however many chunks there are (two calls would gather twice and
+    reduce-scatter a partial gradient)."""
+
+    rows_from_backend: bool = False
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if not (self.rows_from_backend and self.use_grouped_mm):
+            return super().forward(x, num_tokens_per_expert)
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        # looked up at call time: TorchTitan's apply_compile swaps in a compiled version
+        return titan_moe._run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
+
+    def forward_chunks(
+        self,
+        chunks: list[tuple[torch.Tensor, torch.Tensor]],
+        streams: "overlap.Streams",
+        receive: Callable | None = None,
+        send: Callable | None = None,
+    ) -> tuple[list, list]:
+        """The experts on each (recv_x_RD, tokens_per_expert_L) chunk, in one call. With
+        `receive(i, recv_x_RD, tokens_per_expert_L)` (onto the compute stream: the wait for chunk
+        i's dispatch) and `send(i, y_RD, ready)` (chunk i's combine, after the compute stream's
+        mark `ready`), each chunk's dispatch is received right after the previous chunk's
+        experts and before its combine is sent (moe_comm.titan.overlap says why that order).
+        Returns (what send returned, or the outputs; the marks after each chunk's experts)."""
+        outs, ready = [], []
+        x, n = receive(0, *chunks[0]) if receive else chunks[0]
+        for i in range(len(chunks)):
+            y = self.forward(x, n)
+            ready.append(streams.mark(streams.compute))
+            if i + 1 < len(chunks):
+                x, n = receive(i + 1, *chunks[i + 1]) if receive else chunks[i + 1]
+            outs.append(send(i, y, ready[-1]) if send else y)
+        return outs, ready
 
 
 class TokenLevelMoE(MoE):
@@ -29,8 +91,14 @@ class TokenLevelMoE(MoE):
 
     def __init__(self, moe_args: MoEArgs, dim: int, hidden_dim: int):
         super().__init__(moe_args, dim, hidden_dim)
-        # Set by moe_comm.titan.expert_parallel.apply_backend_ep when EP shards the experts.
+        self.experts = TokenLevelExperts(
+            dim=dim, hidden_dim=hidden_dim, num_experts=moe_args.num_experts, use_grouped_mm=moe_args.use_grouped_mm
+        )
+        # Set by moe_comm.titan.expert_parallel.apply_backend_ep (every EP degree).
         self.comm_backend: CommBackend | None = None
+        # Set by moe_comm.titan.parallelize under DualPipeV's EP overlap (TorchTitan's sync points).
+        self.dual_pipe_v = False
+        self._fsdp_chunks_registered = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_backend is None:
@@ -44,6 +112,15 @@ class TokenLevelMoE(MoE):
         with torch.no_grad():
             self.tokens_per_expert.add_(num_tokens_per_expert_E)
 
+        chunked = self.comm_backend.config.overlap == "chunked"
+        if chunked or self.dual_pipe_v:
+            self._register_fsdp_chunks()
+            out_TD = overlap.overlapped_moe(
+                self, x_TD, topk_idx_TK, topk_w_TK, chunks=overlap.CHUNKS if chunked else 1,
+                dual_pipe_v=self.dual_pipe_v,
+            )
+            return out_TD.reshape(bs, slen, dim)
+
         # recv_x_RD: this rank's experts' rows, expert-major, each segment padded for grouped_mm
         dispatched = self.comm_backend.dispatch(x_TD, topk_idx_TK, topk_w_TK)
         y_RD = self.experts(dispatched.recv_x_RD, dispatched.tokens_per_expert_L)
@@ -53,6 +130,15 @@ class TokenLevelMoE(MoE):
         if self.shared_experts is None:
             return routed_out_TD.reshape(bs, slen, dim)
         return (self.shared_experts(x_TD) + routed_out_TD).reshape(bs, slen, dim)
+
+    def _register_fsdp_chunks(self) -> None:
+        """Make `forward_chunks` run FSDP's forward hooks, as `forward` does (a no-op without
+        FSDP). Done at the first overlapped call: FSDP wraps the experts after the model is built."""
+        if not self._fsdp_chunks_registered:
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            register_fsdp_forward_method(self.experts, "forward_chunks")
+            self._fsdp_chunks_registered = True
 
 
 class MoECommDeepSeekV3Model(DeepSeekV3Model):

@@ -3,18 +3,22 @@
 It is `torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` step for step,
 composed from TorchTitan's own functions (apply_non_moe_tp, apply_ac, apply_compile, apply_fsdp,
 apply_ddp), except that expert parallelism goes through `apply_backend_ep` (the [moe_comm]
-backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks. Before building, it
-asks the checks `check`, `submit` and `train` ran before launch (moe_comm.recipe.check_layout and
-the backend's check_run) again, with what the ranks see, rather than re-checking by hand.
+backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks, and DualPipeV's
+sync points go into our MoE layers (moe_comm.titan.overlap) instead of DualPipeExpertParallel.
+Before building, it asks the checks `check`, `submit` and `train` ran before launch
+(moe_comm.recipe.check_layout and the backend's check_run) again, with what the ranks see,
+rather than re-checking by hand.
 """
 
 import os
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import JobConfig, TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.dual_pipe_v import get_dual_pipe_v_flag
 from torchtitan.distributed.tensor_parallel import maybe_enable_async_tp
 from torchtitan.models.deepseek_v3.infra import parallelize as titan_dsv3
 from torchtitan.models.llama3.infra.parallelize import apply_ddp
@@ -23,9 +27,10 @@ from torchtitan.tools.logging import logger
 
 from moe_comm import gpus, recipe
 from moe_comm.backends import backend_class
-from moe_comm.estimate import Layout
+from moe_comm.predict.estimate import Layout
 from moe_comm.titan import cpu
 from moe_comm.titan.expert_parallel import apply_backend_ep
+from moe_comm.titan.overlap import use_dual_pipe_v_sync_points
 
 
 def sac_save_list(backend: str) -> set:
@@ -60,13 +65,21 @@ def check_before_build(model: nn.Module, parallel_dims: ParallelDims, job_config
     machine = gpus.this_machine()
     device = "cuda" if machine else "cpu"
     recipe.check_layout(job_config, layout, model.model_args, device)
+    plan = recipe.run_plan(
+        job_config, layout, model.model_args, device,
+        gpu=machine[0] if machine else "", gpu_sms=machine[1] if machine else 0,
+        launch_env=dict(os.environ), launch_env_source="this process's environment",
+    )
+    backend_class(job_config.moe_comm.backend).check_run(plan)
+
+
+def ep_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
+    """The EP mesh, also at EP 1: TorchTitan builds a one-rank "ep" dimension then but its
+    `get_mesh` returns only enabled dimensions, so the one-rank mesh is read from its table."""
     if parallel_dims.ep_enabled:
-        plan = recipe.run_plan(
-            job_config, layout, model.model_args, device,
-            gpu=machine[0] if machine else "", gpu_sms=machine[1] if machine else 0,
-            launch_env=dict(os.environ), launch_env_source="this process's environment",
-        )
-        backend_class(job_config.moe_comm.backend).check_run(plan)
+        return parallel_dims.get_mesh("ep")
+    parallel_dims.get_optional_mesh("ep")  # builds the meshes if they are not built yet
+    return parallel_dims._meshes["ep"]
 
 
 def parallelize_deepseekv3_moe_comm(
@@ -99,8 +112,12 @@ def parallelize_deepseekv3_moe_comm(
             ep_etp_mesh=None,
         )
 
-    if parallel_dims.ep_enabled:
-        apply_backend_ep(model, parallel_dims.get_mesh("ep"), job_config.moe_comm)
+    apply_backend_ep(model, ep_mesh(parallel_dims), job_config.moe_comm)
+    # DualPipeV's EP overlap: TorchTitan wraps its ExpertParallel in DualPipeExpertParallel;
+    # our dispatch/combine live in TokenLevelMoE.forward, so its sync points go there. (Its
+    # refusal of activation checkpointing ran before launch, in the backend's check_run.)
+    if get_dual_pipe_v_flag(job_config, parallel_dims):
+        use_dual_pipe_v_sync_points(model)
 
     if parallel_dims.cp_enabled:
         from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
@@ -121,7 +138,8 @@ def parallelize_deepseekv3_moe_comm(
             base_folder=job_config.job.dump_folder,
         )
     if model_compile_enabled:
-        apply_compile(model, job_config.compile, parallel_dims.ep_enabled)
+        # a backend serves the MoE layers at every EP degree: compile around it, as under EP
+        apply_compile(model, job_config.compile, True)
 
     if parallel_dims.fsdp_enabled or parallel_dims.ep_enabled:
         dp_mesh_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

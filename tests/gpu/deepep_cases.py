@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from case_runner import CaseLog, start_group  # noqa: E402
+import overlap_cases  # noqa: E402
 from oracles import apply_experts, expert_params, gather_cpu, reference_forward, reference_layout, routing  # noqa: E402
 
 from moe_comm.backends.base import MoELayerSpec  # noqa: E402
@@ -109,6 +110,15 @@ class Cases:
             err = (got.float() - want.float()).abs().max().item()
             assert err <= tol * max(1.0, want.float().abs().max().item()), f"{what} differs from the reference by {err}"
 
+    def overlap_calls_in_flight(self, hidden, num_experts, top_k, iters):
+        """The chunked overlap's calls by hand on the comm stream (tests/gpu/overlap_cases.py);
+        at least 2 tokens a rank, so no chunk is empty."""
+        def route(T, E, K, mode, g):
+            return routing(T, E, K, mode, g, self.device)
+
+        overlap_cases.calls_in_flight(self.rank, self.world, self.device, route, self.backend(num_experts, top_k, hidden),
+                                      hidden, num_experts, top_k, iters, min_tokens=2)
+
 
 def main():
     faulthandler.enable()
@@ -123,6 +133,7 @@ def main():
     log.run("layout_top1_h2048", c.layout_and_combine, 256, 2048, 8 * W, 1, "random", 4)
     log.run("grad_h2048_top6", c.forward_backward, 256, 2048, 16 * W, 6, 5)
     log.run("grad_h7168_top8", c.forward_backward, 256, 7168, 32 * W, 8, 6)
+    log.run("overlap_calls_in_flight", c.overlap_calls_in_flight, 2048, 16 * W, 8, 20)
     merged = log.merged()
     if c.rank == 0:
         with open(report, "w") as f:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from case_runner import CaseLog, start_group  # noqa: E402
+import overlap_cases  # noqa: E402
 from oracles import (  # noqa: E402
     apply_experts,
     expert_params,
@@ -183,6 +184,48 @@ class Cases:
         close(out, nccl_ref[0], tol, "forward (vs nccl)")
         close(gx, nccl_ref[1], tol, "grad x (vs nccl)")
         close(gw, nccl_ref[2], gw_tol, "grad w (vs nccl)")
+
+    def moe_layer_ep1_against_nccl(self, num_tokens, hidden, num_experts, top_k, seed):
+        """World 1, what a one-GPU training step runs: TorchTitan's MoE layer (router with
+        node-limited groups, grouped-GEMM experts, shared expert) through the nvshmem backend
+        against the same layer through the nccl backend (TorchTitan's own local path at EP 1):
+        output, grad x, and the gradients of the router, the routed and the shared experts."""
+        import copy
+
+        from torchtitan.models.moe.moe import MoEArgs
+
+        from moe_comm.backends.nccl import NcclBackend
+        from moe_comm.titan.model import TokenLevelMoE
+
+        args = MoEArgs(num_experts=num_experts, num_shared_experts=1, top_k=top_k, score_func="sigmoid",
+                       route_norm=True, route_scale=2.5, num_expert_groups=4, num_limited_groups=2)
+        torch.manual_seed(seed)
+        ours = TokenLevelMoE(args, dim=hidden, hidden_dim=hidden // 2).to(self.device)
+        for p in ours.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        ours = ours.to(torch.bfloat16)
+        titan_path = copy.deepcopy(ours)
+        layer = MoELayerSpec(num_experts=num_experts, top_k=top_k, hidden=hidden)
+        ours.comm_backend = self.backend(num_experts, top_k, hidden)
+        titan_path.comm_backend = NcclBackend(layer, self.group, MoEComm(backend="nccl"))
+        for m in (ours, titan_path):
+            m.experts.rows_from_backend = True
+        g = torch.Generator().manual_seed(seed)
+        x0 = torch.randn(1, num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
+        grad_out = torch.randn(1, num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
+        got = {}
+        for name, m in (("nvshmem", ours), ("nccl", titan_path)):
+            x = x0.clone().requires_grad_(True)
+            out = m(x)
+            out.backward(grad_out)
+            got[name] = {"out": out.detach().float(), "grad x": x.grad.float(),
+                         **{f"grad {k}": p.grad.float() for k, p in m.named_parameters()}}
+        ours.comm_backend.check_errors(synchronize=True)
+        for what, want in got["nccl"].items():
+            have = got["nvshmem"][what]
+            err = (have - want).abs().max().item()
+            scale = max(want.abs().max().item(), 1e-6)
+            assert err <= 3e-2 * scale, f"{what}: nvshmem differs from the nccl path by {err} (scale {scale})"
 
     def grad_padding_zero(self, num_tokens, hidden, num_experts, top_k):
         """The expert outputs' gradient is zero on every segment's alignment padding: the
@@ -343,9 +386,23 @@ class Cases:
         else:
             assert self.world == 1, "num_experts not divisible by EP was accepted"
 
+    def overlap_calls_in_flight(self, hidden, num_experts, top_k, iters):
+        """The chunked overlap's calls by hand: two dispatches in flight on the comm stream, the
+        compute stream busy beside them (tests/gpu/overlap_cases.py)."""
+        overlap_cases.calls_in_flight(self.rank, self.world, self.device, self.route,
+                                      self.backend(num_experts, top_k, hidden), hidden, num_experts, top_k, iters)
+
+    def overlap_layer(self):
+        """A model of two MoE layers on these kernels: overlap "chunked" equals "none", with
+        activation checkpointing none, full and selective (tests/gpu/overlap_cases.py)."""
+        overlap_cases.layer_matches_plain(self.rank, self.world, self.device,
+                                          lambda e, k, h: self.backend(e, k, h))
+
     def hang(self):
         """Rank 1 skips one combine and then dispatches again: every rank must raise an error
-        naming a peer within the timeout, and no kernel may be left spinning."""
+        naming a peer within the timeout, and no kernel may be left spinning. Every process then
+        leaves by the interpreter's normal exit, NVSHMEM's teardown skipped by agreement
+        (tests/test_nvshmem_gpu.py checks that the job ends within the bound)."""
         backend = self.backend(8 * self.world, 2, 256)
         x = torch.randn(64, 256, device=self.device, dtype=torch.bfloat16)
         idx = torch.stack([torch.arange(64) % (8 * self.world), (torch.arange(64) + 1) % (8 * self.world)], 1)
@@ -363,6 +420,7 @@ class Cases:
         except RuntimeError as e:
             raised = str(e)
         elapsed = time.time() - start
+        self.error_at = time.time()  # tests/test_nvshmem_gpu.py times every process's exit from here
         assert raised is not None, f"rank {self.rank}: no error after {elapsed:.1f} s"
         assert "gave up" in raised and "EP rank" in raised, raised
         assert elapsed < TIMEOUT_S * 3 + 10, f"raised after {elapsed:.1f} s, timeout {TIMEOUT_S} s"
@@ -404,13 +462,19 @@ def main():
         log.run("capacity_overflow_raises", c.capacity_overflow)
         log.run("cuda_graph_dispatch_dispatch_combine", c.cuda_graph, 2048, 16 * W, 8)
         log.run("bad_input_errors", c.bad_input)
+        log.run("overlap_calls_in_flight", c.overlap_calls_in_flight, 2048, 16 * W, 8, 30)
+        log.run("overlap_layer_matches_plain", c.overlap_layer)
+        if W == 1:
+            log.run("moe_layer_ep1_against_nccl", c.moe_layer_ep1_against_nccl, 1024, 2048, 16, 4, 21)
     merged = log.merged()
+    error_at = [None] * c.world
+    dist.all_gather_object(error_at, getattr(c, "error_at", None))
     if c.rank == 0:
         with open(args.report, "w") as f:
             json.dump({"world": c.world, "virtual_node": args.virtual_node, "ranks_per_node": c.G, "nodes": c.N,
-                       "gpus": gpus, "results": merged}, f, indent=1)
-    if args.errors:
-        os._exit(0)  # NVSHMEM gave up on its peers: no collective teardown
+                       "gpus": gpus, "results": merged, "error_at": error_at}, f, indent=1)
+    # After --errors the NVSHMEM state is unusable: the teardown is agreed, then skipped, and the
+    # process leaves like any other (no forced exit).
     dist.barrier()
     runtime.current().finalize()
     dist.destroy_process_group()

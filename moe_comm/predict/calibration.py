@@ -11,10 +11,13 @@ them). The fits, and which measured figures they use (the validation table marks
     with our kernels' link efficiency;
   * the nccl path: a per-call cost and a per-row cost from its DSV3 and decode round trips; its
     backward per-row cost from a training pair's profiles (nccl vs nvshmem, batch 2 x 4096);
-  * compute: GEMM efficiency, attention efficiency, the memory-bound rest and the idle share
-    from TorchTitan's step-10 profiles of the 671B-shaped layers;
-  * B200 GEMM efficiency: the value at which the model reproduces the public anchor that the
-    validation table marks as calibrating it (nothing B200 was measured here).
+  * compute: every GEMM, attention and memory-bound time comes from the one-GPU layer
+    benchmark (results/h200x1/layer_bench.json, moe_comm.predict.layer_compute), which must be
+    there; only the GPU's idle share comes from a profile (TorchTitan's step-10 profile of the
+    671B-shaped layers on 2xH200), as the benchmark times parts, not the gaps between them;
+  * nothing is fitted to a public anchor (issue 24): the anchors are read only for the
+    validation table. No B200 was measured here, so B200 (and H100) parts run at the H200's
+    measured share of their own peak, an assumption listed with the others.
 """
 
 import json
@@ -22,21 +25,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from moe_comm import estimate
-from moe_comm.routing_plan import routing_statistics
-from moe_comm.scale_model import (
-    READ,
-    REPO,
-    VALIDATION,
-    Assumption,
-    attention_flops_per_token,
-    matmul_flops_per_token,
-    memory_bound_bytes_per_token,
-    optimizer_bytes,
-    predict,
-    row_bytes,
-    workload_from_spec,
-)
+from moe_comm.predict import layer_compute
+from moe_comm.predict.assumptions import READ, REPO, Assumption
+from moe_comm.predict.routing_plan import routing_statistics, row_bytes
 
 RESULTS = REPO / "results" / "h200x2"
 # The SM counts whose comm-bench rows calibrate the kernels' costs; the others are held out.
@@ -67,15 +58,11 @@ class Calibration:
     nccl_call_us: float  # nccl path: per forward round trip (host syncs, counts exchange)
     nccl_row_us: float  # nccl path: per expert row per forward round trip (permute, unpermute)
     nccl_backward_row_us: float  # the same in the backward pass
-    gemm_efficiency: float  # H200, measured
-    attention_efficiency: float
-    memory_bytes_factor: float  # memory-bound kernels' time = factor x activation bytes / HBM
     idle_ratio: float  # GPU idle / busy
+    # the measured layer parts (results/h200x1/layer_bench.json): every GEMM, attention and
+    # memory-bound time of the step model (None only in hand-made calibrations of the tests)
+    layer_bench: layer_compute.LayerBench | None = None
     assumptions: list = field(default_factory=list)
-    gpu_gemm_efficiency: dict = field(default_factory=dict)  # other GPUs, fitted to an anchor
-
-    def gemm_efficiency_of(self, gpu: str) -> float:
-        return self.gpu_gemm_efficiency.get(gpu, self.gemm_efficiency)
 
 
 def _one(bench: dict, **match) -> dict:
@@ -162,9 +149,8 @@ def _flavor(name: str):
 
 
 @lru_cache(maxsize=4)
-def calibrate(results: Path = RESULTS, validation: Path = VALIDATION) -> Calibration:
-    """Fit the model's measured constants from the 2xH200 result files, then the B200 GEMM
-    efficiency from the validation table's calibrating anchor."""
+def calibrate(results: Path = RESULTS) -> Calibration:
+    """Fit the model's measured constants from the 2xH200 result files."""
     A: list[Assumption] = list(READ.values())
     rel = results.relative_to(REPO) if results.is_relative_to(REPO) else results
     bench_src = f"{rel}/comm_bench.json"
@@ -213,35 +199,14 @@ def calibrate(results: Path = RESULTS, validation: Path = VALIDATION) -> Calibra
     A.append(Assumption("TorchTitan's DeepEP path: host sync per forward dispatch (CPU-side counts, NOTES §7)",
                         nccl_call, "us", "assumed equal to the nccl path's per-call cost (not measured)"))
 
-    # compute terms, from the 671B-shaped layers' step-10 profiles
+    # the GPU's idle share, from the 671B-shaped layers' step-10 profile (the layer benchmark
+    # times each part between CUDA events, not the launch gaps and host waits between them)
     a = _flavor("671B_layers")
     split = json.loads((results / "split_kernels.json").read_text())
     sweep = json.loads((results / "mfu_sweep.json").read_text())
     prof = _profile(results, split, CALIBRATION_RUN)
     prof_src = f"{rel}/runs/split_kernels/{CALIBRATION_RUN}/profile_step10_rank0.json"
-    tokens = 4 * 4096
-    gemm_eff = matmul_flops_per_token(a) * tokens / (prof["kernel_time_share"]["gemm"] * prof["span_ms"] * 1e-3) / 989e12
-    A.append(Assumption("GEMM efficiency: matmul flops / GEMM kernel time / peak (H200)", gemm_eff, "of peak",
-                        f"{prof_src} (gemm share x span; 6 x active params x tokens)"))
-    # the same 8192 tokens at seq 4096 and 2048 (batch 2 vs 4) differ in attention only, which
-    # halves at the shorter sequence
-    half = [_other_ms(_profile(results, sweep, f"deepseek_v3_671b_layers_h200x2-{b}-b2-s4096"))
-            - _other_ms(_profile(results, sweep, f"deepseek_v3_671b_layers_h200x2-{b}-b4-s2048"))
-            for b in ("nvshmem", "nccl")]
-    attn_ms_8192 = 2 * sum(half) / len(half)
-    attn_eff = attention_flops_per_token(a, 4096) * 8192 / (attn_ms_8192 * 1e-3) / 989e12
-    A.append(Assumption("attention efficiency (causal flops executed, SDPA)", attn_eff, "of peak",
-                        f"{rel}/runs/mfu_sweep*/: other-kernel time of -b2-s4096 less -b4-s2048, nccl and nvshmem"))
-    p = estimate.count_params(a)
-    opt_ms = optimizer_bytes(p.total / 2) / (layout_eff * hbm) * 1e3
-    st = routing_statistics("balanced", 2, 2, a.moe_args.num_experts, a.moe_args.top_k)
-    rows_e, slots_e = st.max["expert_rows"] * tokens, st.max["recv_slots"] * tokens
     moe_layers = a.n_layers - a.n_dense_layers
-    layout_ms = moe_layers * 2 * sum(floor + layout[k][0] * rows_e + layout[k][1] * slots_e for k in layout) * 1e-3
-    rest_ms = _other_ms(prof) - 2 * attn_ms_8192 - opt_ms - layout_ms
-    mem_factor = rest_ms * 1e-3 * hbm / (memory_bound_bytes_per_token(a) * tokens)
-    A.append(Assumption("memory-bound kernels: time x HBM bandwidth / activation bytes", mem_factor, "x",
-                        f"{prof_src}: other kernels less attention, optimizer and layout kernels"))
     idle_ratio = prof["gpu_idle_share"] / prof["gpu_busy_share"]
     A.append(Assumption("GPU idle per busy second (launch gaps, host work)", idle_ratio, "", f"{prof_src}"))
 
@@ -254,35 +219,15 @@ def calibrate(results: Path = RESULTS, validation: Path = VALIDATION) -> Calibra
     A.append(Assumption("nccl path: per expert row per backward round trip", nccl_bwd_row, "us",
                         f"{rel}/runs/mfu_sweep/*-{{nccl,nvshmem}}-b2-s4096 profiles: other-kernel time difference "
                         "less the forward permutes"))
-    A.append(Assumption("B200 and H100 reach the H200's attention, HBM and per-SM kernel efficiencies", 1.0, "",
-                        "assumption: no B200 was measured here"))
+    if not layer_compute.BENCH.is_file():
+        raise FileNotFoundError(f"{layer_compute.BENCH}: the layer benchmark the step model prices compute from is "
+                                "missing; run experiments/layer_bench.py run on one GPU (results/h200x1/README.md)")
+    bench = layer_compute.load()
+    A += layer_compute.assumptions(bench)
     cal = Calibration(
-        p2p_gbps=p2p, nvlink_copy_efficiency=copy_eff, kernel_floor_us=floor, ops=ops, deepep_ops=deepep_ops,
+        layer_bench=bench, p2p_gbps=p2p, nvlink_copy_efficiency=copy_eff, kernel_floor_us=floor, ops=ops, deepep_ops=deepep_ops,
         expand=layout["expand"], reduce=layout["reduce"], layout_hbm_efficiency=layout_eff,
-        nccl_call_us=nccl_call, nccl_row_us=nccl_row, nccl_backward_row_us=nccl_bwd_row, gemm_efficiency=gemm_eff,
-        attention_efficiency=attn_eff, memory_bytes_factor=mem_factor, idle_ratio=idle_ratio, assumptions=A,
+        nccl_call_us=nccl_call, nccl_row_us=nccl_row, nccl_backward_row_us=nccl_bwd_row, idle_ratio=idle_ratio,
+        assumptions=A,
     )
-    _fit_anchored_gemm_efficiency(cal, validation)
     return cal
-
-
-def _fit_anchored_gemm_efficiency(cal: Calibration, validation: Path) -> None:
-    """A GPU measured nowhere here gets the GEMM efficiency at which the model reproduces the
-    public end-to-end figure the validation table marks as calibrating it; the other anchors of
-    the same GPU stay held out."""
-    for fig in json.loads(validation.read_text())["figures"]:
-        if not fig["use"].startswith("calibration (B200 GEMM efficiency"):
-            continue
-        spec, target = fig["predict"], fig["measured"]["value"]
-        w, cluster = workload_from_spec(spec, cal)
-        lo, hi = 0.02, 1.0
-        for _ in range(50):  # tokens/s grows with the efficiency: bisect
-            cal.gpu_gemm_efficiency[spec["gpu"]] = (lo + hi) / 2
-            if predict(spec["backend"], w, cluster, cal).tokens_per_s_per_gpu < target:
-                lo = (lo + hi) / 2
-            else:
-                hi = (lo + hi) / 2
-        cal.gpu_gemm_efficiency[spec["gpu"]] = (lo + hi) / 2
-        cal.assumptions.append(Assumption(
-            f"{spec['gpu']} GEMM efficiency (fitted: the model reproduces {fig['id']}, {target} tok/s/GPU)",
-            (lo + hi) / 2, "of peak", f"{fig['measured']['source']}; layout: {spec['workload_source']}"))

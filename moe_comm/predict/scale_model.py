@@ -3,14 +3,17 @@ moves over NVLink and over the network, how long that takes, and what step time 
 
 It is built from three kinds of numbers, each listed with its source in `Calibration.assumptions`
 (experiments/scale_model.py prints them in results/scale_model.md):
-  * rows and bytes, counted exactly from a drawn routing (moe_comm.routing_plan) for the
+  * rows and bytes, counted exactly from a drawn routing (moe_comm.predict.routing_plan) for the
     hierarchical path (per-node dedup on the network, per-rank dedup over NVLink; nvshmem and
     DeepEP V1) and for the all-to-all (one row per pick; nccl);
   * costs measured here on 2xH200 (results/h200x2): the kernels' per-op fixed cost and how it
     shrinks with the SM budget, their link efficiency, the layout kernels' HBM cost, the nccl
-    path's per-call and per-row costs, GEMM and attention efficiency, the memory-bound rest of
-    a step and its idle share, fitted by moe_comm.scale_calibration from the JSON files at run
-    time;
+    path's per-call and per-row costs and a step's idle share, fitted by
+    moe_comm.predict.calibration from the JSON files at run time;
+  * compute measured on one H200 (results/h200x1/layer_bench.json): every GEMM, attention and
+    memory-bound time of a rank's microbatch, part by part (moe_comm.predict.layer_compute); the
+    parameter-sized work no part times (optimizer, FSDP's and autocast's copies) by its bytes at
+    the layout kernels' HBM rate (moe_comm.predict.estimate.param_copy_bytes, optimizer_bytes);
   * link and peak rates read from datasheets and public measurements (NVLink, CX7 400 Gb/s,
     DeepEP V1's RDMA bandwidth, HBM, dense peaks).
 
@@ -23,66 +26,17 @@ dispatch and combine on the compute stream, so MoE communication is exposed; FSD
 collectives overlap compute except the first all-gather and the last reduce-scatter.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from moe_comm import estimate
-from moe_comm.metrics.peaks import low_precision_converters, table_peaks
-from moe_comm.routing_plan import PlanStats, routing_statistics
+from moe_comm.metrics.peaks import table_peaks
+from moe_comm.predict import estimate, layer_compute, schedule
+from moe_comm.predict.assumptions import READ, REPO
+from moe_comm.predict.calibration import Calibration
+from moe_comm.predict.estimate import optimizer_bytes
+from moe_comm.predict.routing_plan import PlanStats, row_bytes, routing_statistics
+from moe_comm.predict.schedule import Pipeline
 
-if TYPE_CHECKING:
-    from moe_comm.scale_calibration import Calibration
-
-REPO = Path(__file__).resolve().parents[1]
-VALIDATION = REPO / "results" / "scale_model_validation.json"
 BACKENDS = ("nccl", "deepep", "nvshmem", "nvshmem-fp8")
-
-
-@dataclass(frozen=True)
-class Assumption:
-    name: str
-    value: float
-    unit: str
-    source: str
-
-
-# Datasheet and public figures (read, not measured here).
-READ = {
-    "nvlink_gbps.H200": Assumption("NVLink per GPU, per direction, H200/H100", 450.0, "GB/s",
-                                   "NVIDIA H200 datasheet (NVLink 900 GB/s bidirectional)"),
-    "nvlink_gbps.B200": Assumption("NVLink per GPU, per direction, B200", 900.0, "GB/s",
-                                   "NVIDIA B200 datasheet (NVLink 5, 1.8 TB/s bidirectional); issue 12"),
-    "hbm_tbs.H200": Assumption("HBM bandwidth, H200", 4.8, "TB/s", "NVIDIA H200 datasheet"),
-    # DeepEP's own kernels have not been run into results/ yet (the two-GPU issue runs them in the
-    # benchmark itself); until then the model prices them from the field notes' record of
-    # DeepEP v1.2.1's tests/test_intranode.py on this project's 2xH200 machine.
-    "deepep_us.dispatch": Assumption("DeepEP v1.2.1 intranode BF16 dispatch, 2 ranks, 4096 tokens, hidden 7168, "
-                                     "top-8, 256 experts, 24 SMs", 353.0, "us",
-                                     "NOTES.md section 4 (DeepEP's test on the 2xH200 machine, 2026-11-30); not a "
-                                     "results/ figure"),
-    "deepep_us.combine": Assumption("DeepEP v1.2.1 intranode combine, same run", 393.0, "us",
-                                    "NOTES.md section 4, as above"),
-    "hbm_tbs.H100": Assumption("HBM bandwidth, H100 SXM", 3.35, "TB/s", "NVIDIA H100 datasheet"),
-    "hbm_tbs.B200": Assumption("HBM bandwidth, B200", 8.0, "TB/s", "NVIDIA B200 datasheet"),
-    "nic_gbps": Assumption("network per GPU (one CX7 400 Gb/s NIC per GPU)", 50.0, "GB/s",
-                           "issue 12 (8 x 400 Gb/s CX7 per Nebius B200 node)"),
-    "network_efficiency": Assumption("achieved share of the NIC line rate, every backend", 43.0 / 50.0, "",
-                                     "DeepEP V1 internode, 43 GB/s RDMA at EP16 on CX7 (NOTES §4); "
-                                     "no multi-node run here yet"),
-    "sm_push_gbps": Assumption("NVLink stores one 1024-thread SM sustains", 142.0 / 4, "GB/s",
-                               "NOTES §2: SM-driven stores to the peer, 4 SMs -> 142 GB/s (2xH200)"),
-    "nccl_nvlink_gbps_h200": Assumption("NCCL all_to_all_single, bytes crossing NVLink per GPU (H200)", 290.0,
-                                        "GB/s", "NOTES §2: 4096x8 rows x 7168 bf16, 0.81 ms on 2xH200"),
-    "deepep_permute_us_per_row": Assumption("TorchTitan's DeepEP path: _permute_tokens per expert row (H200)",
-                                            614.0 / 32740, "us", "NOTES §7: 614 us at 32,740 expert rows, one H200"),
-    "deepep_unpermute_us_per_row": Assumption("TorchTitan's DeepEP path: scores x + _unpermute_tokens per expert row",
-                                              1500.0 / 32740, "us", "NOTES §7: 1,500 us at 32,740 expert rows, one H200"),
-    "fsdp_prefetch_units": Assumption("FSDP units whose collectives are not hidden (first all-gather, last "
-                                      "reduce-scatter)", 1.0, "units", "TorchTitan FSDP2 prefetch (assumption)"),
-}
 
 
 @dataclass(frozen=True)
@@ -124,50 +78,6 @@ def cluster_for(gpu: str, nodes: int, gpus_per_node: int, cal: Calibration) -> C
     return Cluster(spec, nodes, gpus_per_node, copy, READ["nic_gbps"].value)
 
 
-def row_bytes(hidden: int, dtype: str = "bf16", metadata: bool = True) -> float:
-    """Bytes one row puts on a link: the hidden vector (bf16, or e4m3 plus one fp32 scale per
-    128 channels) and, for our kernels and DeepEP, the slot metadata (csrc/common/wire.h: a net
-    slot's NetMeta, 128 bytes, the larger of the two formats; NVLink deliveries carry 80)."""
-    from moe_comm.kernels.capacity import NET_META_BYTES
-
-    payload = hidden * 2 if dtype == "bf16" else hidden + hidden / 128 * 4
-    meta = NET_META_BYTES if metadata else 0
-    return payload + meta
-
-
-# ------------------------------------------------------------------------- compute terms
-
-
-def matmul_flops_per_token(a) -> float:
-    """TorchTitan's parameter flops (6 x active params less the embedding)."""
-    p = estimate.count_params(a)
-    return 6 * (p.active - p.embedding)
-
-
-def expert_flops_per_token(a) -> float:
-    m = a.moe_args
-    return 6 * 3 * a.dim * a.moe_inter_dim * m.top_k * (a.n_layers - a.n_dense_layers)
-
-
-def attention_flops_per_token(a, seq_len: int) -> float:
-    """Causal attention flops executed: half of TorchTitan's 6 x layers x heads x head dims x seq."""
-    head_dims = a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim
-    return 0.5 * 6 * a.n_layers * a.n_heads * head_dims * seq_len
-
-
-def memory_bound_bytes_per_token(a) -> float:
-    """A proxy for the memory-bound kernels' traffic: the activation bytes a token leaves in
-    every layer without AC (moe_comm.estimate) plus the logits (fp32 + bf16)."""
-    per_layer = sum(estimate._act_bytes_per_token(a, i >= a.n_dense_layers) for i in range(a.n_layers))
-    return per_layer + a.vocab_size * 6
-
-
-def optimizer_bytes(params: float) -> float:
-    """Fused AdamW reads param, grad, two moments and writes three (28 B/param); the grad-norm
-    clip reads the gradients once more (4 B/param)."""
-    return 32 * params
-
-
 # ----------------------------------------------------------------------------- workload
 
 
@@ -188,6 +98,8 @@ class Workload:
     network_sms: int = 0
     virtual_node_size: int = 0
     pp_schedule: str = "1F1B"
+    layers_per_stage: int | None = None  # [parallelism] pipeline_parallel_layers_per_stage
+    overlap: str = "none"  # "none", "chunked" ([moe_comm] overlap) or "dualpipev" (TorchTitan's, DualPipeV)
 
     @property
     def tokens_per_call(self) -> int:
@@ -209,10 +121,6 @@ class Workload:
     @property
     def ep_nodes(self) -> int:
         return max(1, self.layout.ep // self.ranks_per_node)
-
-    @property
-    def moe_layers_per_stage(self) -> float:
-        return (self.args.n_layers - self.args.n_dense_layers) / self.layout.pp
 
     @property
     def comm_recomputed(self) -> bool:
@@ -241,7 +149,19 @@ def workload_from_recipe(r) -> Workload:
         ac_mode=c.activation_checkpoint.mode, converters=tuple(c.model.converters),
         routing=routing_for(c, args), num_sms=c.moe_comm.num_sms, network_sms=c.moe_comm.network_sms,
         virtual_node_size=c.moe_comm.virtual_node_size, pp_schedule=c.parallelism.pipeline_parallel_schedule,
+        layers_per_stage=c.parallelism.pipeline_parallel_layers_per_stage, overlap=overlap_for(c, r.layout),
     )
+
+
+def overlap_for(config, layout) -> str:
+    """The MoE overlap a recipe runs: TorchTitan's DualPipeV expert-parallel overlap where it
+    applies (PP and EP, schedule DualPipeV, pipeline_parallel_expert_parallel_overlap, its
+    default), else [moe_comm] overlap."""
+    par = config.parallelism
+    if (layout.pp > 1 and layout.ep > 1 and par.pipeline_parallel_schedule.lower() == "dualpipev"
+            and par.pipeline_parallel_expert_parallel_overlap):
+        return "dualpipev"
+    return config.moe_comm.overlap
 
 
 def workload_from_spec(spec: dict, cal: Calibration | None = None) -> tuple[Workload, Cluster | None]:
@@ -268,7 +188,8 @@ def workload_from_spec(spec: dict, cal: Calibration | None = None) -> tuple[Work
         flavor=f["flavor"], args=deepseekv3_args[f["flavor"]], layout=layout, local_batch=f["local_batch"],
         seq_len=f["seq_len"], microbatch=f.get("microbatch", 1), ac_mode=f["ac_mode"],
         converters=tuple(f.get("converters", ())), routing=f["routing"], num_sms=f.get("num_sms", 20),
-        pp_schedule=f.get("pp_schedule", "1F1B"),
+        pp_schedule=f.get("pp_schedule", "1F1B"), layers_per_stage=f.get("layers_per_stage"),
+        overlap=f.get("overlap", "none"),
     )
     return w, cal and cluster_for(spec["gpu"], nodes, per_node, cal)
 
@@ -400,6 +321,9 @@ def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration) ->
 # ------------------------------------------------------------------------------- the step
 
 
+OVERLAPS = ("none", "chunked", "dualpipev")
+
+
 @dataclass
 class StepPrediction:
     backend: str
@@ -409,7 +333,14 @@ class StepPrediction:
     step_ms: float
     tokens_per_s_per_gpu: float
     mfu: float  # % of the bf16 dense peak, TorchTitan's flops per token
-    moe_calls_per_step: float  # MoE layer-microbatches on this rank per step
+    moe_calls_per_step: float  # MoE layer-microbatches on the busiest pipeline rank per step
+    pipeline: Pipeline  # the schedule as the busiest rank runs it (pp 1: one stage, no bubble)
+    moe_comm_ms: float  # all MoE communication of a step on that rank, exposed or hidden
+    peak_tflops: float  # the GPU's dense bf16 peak, which mfu is a share of
+    recompute_ms: dict  # of terms_ms' gemm, attention and memory-bound: the activation-checkpoint recompute
+    # what priced the compute: "layer bench" (results/h200x1/layer_bench.json), with what it did not
+    # measure and what stood in (moe_comm.predict.layer_compute's notes)
+    compute_source: str = "layer bench"
 
     @property
     def comm_exposed_ms(self) -> float:
@@ -419,14 +350,56 @@ class StepPrediction:
     def comm_overlapped_ms(self) -> float:
         return sum(self.overlapped_ms.values())
 
+    @property
+    def moe_exposed_share(self) -> float:
+        """Exposed MoE communication over all of it (1 without an overlap)."""
+        return self.terms_ms["moe comm"] / self.moe_comm_ms if self.moe_comm_ms else 0.0
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOPS per GPU: TorchTitan's flops per token x tokens/s (the MFU numerator)."""
+        return self.mfu / 100 * self.peak_tflops
+
     def per_step(self, attr: str) -> float:
         """A LayerComm total (rows, bytes, us) over every MoE call of a step on this rank."""
         return self.comm.total(attr) * self.moe_calls_per_step
 
 
-def _fsdp_ms(w: Workload, cluster: Cluster, cal: Calibration) -> tuple[float, float]:
-    """(total, one unit) FSDP collective time per step: bf16 all-gathers (twice without PP:
-    TorchTitan reshards after forward) and fp32 reduce-scatters, over NVLink or the network."""
+def overlap_exposure(comm_us: tuple[float, float, float, float], compute_us: tuple[float, float, float],
+                     sm_share: float) -> tuple[float, float]:
+    """(exposed communication, compute slowdown), in us, of one MoE layer's pass under the
+    "chunked" overlap: the layer's tokens in two chunks, communication on a side stream, the
+    experts on the compute stream. comm_us = (a0, a1, b0, b1): the first op of chunk 0, of chunk 1,
+    then the second op of chunk 0, of chunk 1 (forward: dispatch, dispatch, combine, combine);
+    compute_us = (s, e0, e1): the shared experts, then the routed experts of chunk 0 and 1. Stream
+    order: a0 under s, a1 under e0, b0 under e1, and b1 alone. The backward mirrors it (each op's
+    backward on its forward's stream: combine's backward first, under the routed experts'
+    backward), so the same function prices it with its ops and compute.
+
+    While a communication kernel runs, its SMs (sm_share of the GPU) are lost to the GEMMs
+    beside it: compute that takes e alone takes e / (1 - sm_share) under it. So a pair costs
+    max(a - e, a x sm_share) beyond e: the comm's excess when it outlasts the stretched
+    compute, else the compute's stretch while the comm runs."""
+    a0, a1, b0, b1 = comm_us
+    s, e0, e1 = compute_us
+    exposed, slowdown = b1, 0.0
+    for a, e in ((a0, s), (a1, e0), (b0, e1)):
+        exposed += max(0.0, a - e)
+        slowdown += max(a - e, a * sm_share) - max(0.0, a - e)
+    return exposed, slowdown
+
+
+def _chunk_us(t: Transfer) -> float:
+    """One transfer for half the tokens: the per-call costs whole, half the rows to move."""
+    return t.host_us + t.fixed_us + (max(t.nvlink_us, t.network_us) + t.layout_us) / 2
+
+
+def _fsdp_ms(w: Workload, cluster: Cluster, cal: Calibration, v: int) -> tuple[float, float]:
+    """(total, exposed at best) FSDP collective time per step: bf16 all-gathers (twice without
+    PP: TorchTitan reshards after forward) and fp32 reduce-scatters, over NVLink or the network.
+    Without PP one unit's all-gather and reduce-scatter are not hidden (the first and last);
+    with PP each stage chunk unshards once before its first forward and reduces once after its
+    last backward, so one chunk's are (1/v of the rank's)."""
     a, lay = w.args, w.layout
     p = estimate.count_params(a)
     routed = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim * (a.n_layers - a.n_dense_layers)
@@ -440,70 +413,135 @@ def _fsdp_ms(w: Workload, cluster: Cluster, cal: Calibration) -> tuple[float, fl
     spans_nodes = lay.dp_shard * lay.cp * lay.tp > cluster.gpus_per_node
     rate = cluster.network_gbps if spans_nodes else _nccl_nvlink_gbps(cluster, cal)
     total = total_bytes / (rate * 1e9) * 1e3
-    units = a.n_layers / lay.pp + 1
+    if lay.pp > 1:
+        return total, total / v
+    units = a.n_layers + 1
     return total, total / units * READ["fsdp_prefetch_units"].value * 2
 
 
+def _pp_rate_gbps(w: Workload, cluster: Cluster, cal: Calibration) -> float:
+    """Neighbouring pipeline ranks are world / pp ranks apart (PP is TorchTitan's outermost mesh
+    dimension): on other nodes unless a node holds more than that."""
+    apart = w.layout.world // w.layout.pp
+    return cluster.network_gbps if apart >= cluster.gpus_per_node else _nccl_nvlink_gbps(cluster, cal)
+
+
 def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> StepPrediction:
-    a, lay = w.args, w.layout
-    gpu = cluster.gpu
+    """A step on the busiest pipeline rank, per microbatch split into forward f, input gradient
+    bi (with any recompute) and weight gradient bw, which the schedule turns into a bubble
+    (moe_comm.predict.schedule); the microbatches' work, the bubble, the optimizer, FSDP's
+    exposed collectives and the idle share add up to the step."""
+    a, lay, gpu = w.args, w.layout, cluster.gpu
+    if w.overlap not in OVERLAPS:
+        raise ValueError(f"overlap {w.overlap!r}: choose one of {OVERLAPS}")
+    ranks = estimate.pipeline_ranks(a, lay, w.local_batch, w.microbatch, w.pp_schedule, w.layers_per_stage)
+    pipe = ranks[0].pipe
+    if w.overlap == "dualpipev" and (pipe.name != "DualPipeV" or w.ac_mode != "none"):
+        raise ValueError("the DualPipeV expert-parallel overlap needs pipeline_parallel_schedule DualPipeV and "
+                         "activation_checkpoint mode none (TorchTitan refuses it with AC)")
     T = w.tokens_per_call
-    passes = 4 / 3 if w.ac_mode == "full" else (3.5 / 3 if w.ac_mode == "selective" else 1.0)
-    stage = 1 / lay.pp
-    low = low_precision_converters(list(w.converters))
-    expert_fp8 = any("grouped_mm" in c for c in low)
-    linear_fp8 = any("linear" in c for c in low)
-    f_expert = expert_flops_per_token(a)
-    f_rest = matmul_flops_per_token(a) - f_expert
-    fp8_rate = gpu.fp8_tflops * 1e12 * cal.gemm_efficiency_of(gpu.name)
-    bf16_rate = gpu.bf16_tflops * 1e12 * cal.gemm_efficiency_of(gpu.name)
-    gemm_s = T * stage * passes * (f_expert / (fp8_rate if expert_fp8 else bf16_rate)
-                                   + f_rest / (fp8_rate if linear_fp8 else bf16_rate))
-    attn_s = T * stage * passes * attention_flops_per_token(a, w.seq_len) / (
-        gpu.bf16_tflops * 1e12 * cal.attention_efficiency)
-    mem_s = T * stage * passes * cal.memory_bytes_factor * memory_bound_bytes_per_token(a) / (gpu.hbm_tbs * 1e12)
+    if cal.layer_bench is None:
+        raise ValueError("the step model prices compute from the layer benchmark (results/h200x1/layer_bench.json, "
+                         "moe_comm.predict.layer_compute); this calibration has none")
     comm = layer_comm(backend, w, cluster, cal)
-    moe_s = comm.time_us * 1e-6 * w.moe_layers_per_stage
-    # TP (sequence parallel): all-gather + reduce-scatter around attention and the FFN, forward
-    # and backward (and recompute), each moving the microbatch's activations once
-    tp_s = 0.0
-    if lay.tp > 1:
-        coll_bytes = T * lay.tp * a.dim * 2 * (lay.tp - 1) / lay.tp
-        tp_s = 4 * (2 + (1 if w.ac_mode == "full" else 0)) * coll_bytes / (_nccl_nvlink_gbps(cluster, cal) * 1e9)
-        tp_s *= a.n_layers * stage
-    pp_s = 0.0
-    if lay.pp > 1:  # activations forward and gradients back between stages, on the network
-        pp_s = 2 * T * a.dim * 2 / (cluster.network_gbps * 1e9)
-    micro_s = gemm_s + attn_s + mem_s + moe_s + tp_s + pp_s
-    mb = w.microbatches
-    virtual = 2 if "Interleaved" in w.pp_schedule else 1
-    bubble = (lay.pp - 1) / virtual if lay.pp > 1 else 0.0
+    t_d, t_c, t_cb, t_db = (t.time_us * 1e-6 for t in comm.transfers)
+    # the GPU share an overlapped comm kernel takes from the GEMMs beside it (NCCL's channels are
+    # assumed to take the same num_sms)
+    sm_share = w.num_sms / gpu.sms
+    zero_bubble = pipe.name in schedule.ZERO_BUBBLE
+    pp_rate = _pp_rate_gbps(w, cluster, cal) if lay.pp > 1 else 0.0
+
+    notes: list[str] = []  # what the layer benchmark did not measure, and what stood in
+
+    def per_microbatch(rank) -> dict:
+        """Seconds per microbatch on one rank, each as (f, bi, bw)."""
+        measured = layer_compute.rank_ms(cal.layer_bench, w, gpu.name, rank.layers, rank.embedding, rank.output)
+        terms = measured.seconds()
+        gemm, attn, mem = (terms[t][0] for t in ("gemm", "attention", "memory-bound"))
+        rec = {t: v / 1e3 for t, v in measured.recompute.items()}
+        shared, experts = (measured.moe_layer_fwd[p] / 1e3 for p in ("shared_expert", "experts"))
+        notes.extend(n for n in measured.notes if n not in notes)
+        n_layers = len(rank.layers)
+        # one MoE layer: its comm, exposed and hidden, and the compute it can hide behind
+        bwd = 1.0 if zero_bubble else 2.0  # the experts' backward beside the comm: dgrad (+ wgrad)
+        fwd_all, bwd_all = t_d + t_c, t_cb + t_db
+        hidden = {"f": 0.0, "b": 0.0}
+        slow = {"f": 0.0, "b": 0.0}
+        if w.overlap == "chunked":
+            cd, cc, ccb, cdb = (_chunk_us(t) * 1e-6 for t in comm.transfers)
+            fwd_all, bwd_all = 2 * (cd + cc), 2 * (ccb + cdb)  # what runs: every op twice, per chunk
+            ef, sf = overlap_exposure((cd, cd, cc, cc), (shared, experts / 2, experts / 2), sm_share)
+            eb, sb = overlap_exposure((cdb, cdb, ccb, ccb), (bwd * shared, bwd * experts / 2, bwd * experts / 2),
+                                      sm_share)
+            hidden = {"f": fwd_all - ef, "b": bwd_all - eb}
+            slow = {"f": sf, "b": sb}
+        elif w.overlap == "dualpipev":
+            # in an OVERLAP_F_B pair each of the forward chunk's comm ops runs beside half of the
+            # backward chunk's layer compute, and the other way round (TorchTitan alternates one
+            # compute and one comm op of the two threads)
+            layer_f = (gemm + attn + mem) / max(n_layers, 1)
+            layer_b = 2 * layer_f
+            share = pipe.overlapped_pairs / (2 * pipe.microbatches)
+            ef = sum(max(0.0, t - layer_b / 2) for t in (t_d, t_c))
+            eb = sum(max(0.0, t - layer_f / 2) for t in (t_cb, t_db))
+            sf = sum(max(t - layer_b / 2, t * sm_share) - max(0.0, t - layer_b / 2) for t in (t_d, t_c))
+            sb = sum(max(t - layer_f / 2, t * sm_share) - max(0.0, t - layer_f / 2) for t in (t_cb, t_db))
+            hidden = {"f": share * (fwd_all - ef), "b": share * (bwd_all - eb)}
+            slow = {"f": share * sf, "b": share * sb}
+        L = sum(1 for i in rank.layers if i >= a.n_dense_layers)
+        moe_f = L * (fwd_all - hidden["f"])
+        moe_b = L * (bwd_all - hidden["b"]) + (L * (fwd_all - hidden["f"]) if w.comm_recomputed else 0.0)
+        slow_f = L * slow["f"]
+        slow_b = L * (slow["b"] + (slow["f"] if w.comm_recomputed else 0.0))
+        terms["moe comm"] = (moe_f, moe_b, 0.0)
+        terms["comm SM contention"] = (slow_f, slow_b, 0.0)
+        # TP (sequence parallel): all-gather + reduce-scatter around attention and the FFN,
+        # forward and backward (and recompute), each moving the microbatch's activations once
+        tp = 0.0
+        if lay.tp > 1:
+            coll_bytes = T * lay.tp * a.dim * 2 * (lay.tp - 1) / lay.tp
+            tp = 4 * coll_bytes / (_nccl_nvlink_gbps(cluster, cal) * 1e9) * n_layers
+        terms["tp comm"] = (tp, tp * (1 + (1 if w.ac_mode == "full" else 0)), 0.0)
+        # activations forward and their gradients back, at every stage boundary the rank crosses
+        pp = pipe.sends_per_microbatch * T * a.dim * 2 / (pp_rate * 1e9) if lay.pp > 1 else 0.0
+        terms["pp p2p"] = (pp, pp, 0.0)
+        hid = L * (hidden["f"] + hidden["b"] + (hidden["f"] if w.comm_recomputed else 0.0))
+        return {"terms": terms, "hidden": hid, "moe_layers": L, "rank": rank,
+                "recompute": rec,
+                "moe_all": L * (fwd_all + bwd_all + (fwd_all if w.comm_recomputed else 0.0))}
+
+    work = max((per_microbatch(r) for r in ranks), key=lambda x: sum(sum(v) for v in x["terms"].values()))
+    terms3 = work["terms"]
+    f = sum(v[0] for v in terms3.values())
+    bi = sum(v[1] for v in terms3.values())
+    bw = sum(v[2] for v in terms3.values())
+    m = pipe.microbatches if lay.pp > 1 else 1
     p = estimate.count_params(a)
     opt_s = optimizer_bytes(p.total / (lay.dp_shard * lay.cp * lay.tp * lay.pp)) / (
         cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12)
-    fsdp_total_ms, fsdp_unit_ms = _fsdp_ms(w, cluster, cal)
-    compute_ms = (gemm_s + attn_s + mem_s) * mb * 1e3
-    fsdp_exposed_ms = min(fsdp_total_ms, fsdp_unit_ms + max(0.0, fsdp_total_ms - compute_ms))
-    terms = {
-        "gemm": gemm_s * mb * 1e3,
-        "attention": attn_s * mb * 1e3,
-        "memory-bound": mem_s * mb * 1e3,
-        "moe comm": moe_s * mb * 1e3,
-        "tp comm": tp_s * mb * 1e3,
-        "pp p2p": pp_s * mb * 1e3,
-        "pp bubble": micro_s * bubble * 1e3,
-        "optimizer": opt_s * 1e3,
-        "fsdp exposed": fsdp_exposed_ms,
-    }
-    busy = sum(terms.values())
-    terms["idle"] = busy * cal.idle_ratio
+    hbm_rate = cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12  # what the optimizer and copies reach
+    copies_s = estimate.param_copy_bytes(a, lay, work["rank"] if lay.pp > 1 else None, m) / hbm_rate
+    fsdp_total_ms, fsdp_least_ms = _fsdp_ms(w, cluster, cal, pipe.v)
+    compute_ms = sum(sum(terms3[k]) for k in ("gemm", "attention", "memory-bound")) * m * 1e3
+    fsdp_exposed_ms = min(fsdp_total_ms, fsdp_least_ms + max(0.0, fsdp_total_ms - compute_ms))
+    terms = {k: sum(v) * m * 1e3 for k, v in terms3.items()}
+    terms["pp bubble"] = pipe.bubble(f, bi, bw) * 1e3 if lay.pp > 1 else 0.0
+    terms["optimizer"] = opt_s * 1e3
+    terms["param copies"] = copies_s * 1e3
+    terms["fsdp exposed"] = fsdp_exposed_ms
+    # launch gaps and host work scale with the work, not with the bubble's waiting
+    terms["idle"] = (sum(terms.values()) - terms["pp bubble"]) * cal.idle_ratio
     step_ms = sum(terms.values())
     tps = w.local_batch * w.seq_len / (step_ms * 1e-3) / (lay.cp * lay.tp * lay.pp)
-    flops = estimate.count_params(a).flops_per_token(a, w.seq_len)
+    flops = p.flops_per_token(a, w.seq_len)
     mfu = 100 * flops * tps / (gpu.bf16_tflops * 1e12)
     return StepPrediction(
-        backend=backend, comm=comm, terms_ms=terms, overlapped_ms={"fsdp": fsdp_total_ms - fsdp_exposed_ms},
-        step_ms=step_ms, tokens_per_s_per_gpu=tps, mfu=mfu, moe_calls_per_step=w.moe_layers_per_stage * mb,
+        backend=backend, comm=comm, terms_ms=terms,
+        overlapped_ms={"fsdp": fsdp_total_ms - fsdp_exposed_ms, "moe comm": work["hidden"] * m * 1e3},
+        step_ms=step_ms, tokens_per_s_per_gpu=tps, mfu=mfu, moe_calls_per_step=work["moe_layers"] * m,
+        pipeline=pipe, moe_comm_ms=work["moe_all"] * m * 1e3, peak_tflops=gpu.bf16_tflops,
+        recompute_ms={k: v * m * 1e3 for k, v in work["recompute"].items()},
+        compute_source="layer bench" + (f" (not measured there: {'; '.join(notes)})" if notes else ""),
     )
 
 
@@ -535,7 +573,18 @@ class MoEShape:
     n_dense_layers: int = 0
 
 
+def refusal(backend: str, w: Workload) -> str:
+    """Why `check` would refuse the backend for the workload ("" where it runs), as moe_comm.recipe
+    and the backend's class say: our deepep backend does not pad expert segments, which the
+    grouped-GEMM converters need, and DeepEP has no EP 1 (one rank holds every expert)."""
+    if backend != "deepep":
+        return ""
+    if any(c.startswith("quantize.grouped_mm") for c in w.converters):
+        return "refused with these converters: no expert-segment padding"
+    if w.layout.ep == 1:
+        return "refused at EP 1: DeepEP needs peers"
+    return ""
+
+
 def runnable(backend: str, w: Workload) -> bool:
-    """Whether `check` lets the backend run the workload: our deepep backend does not pad expert
-    segments, which the grouped-GEMM converters need (moe_comm.recipe refuses the pair)."""
-    return not (backend == "deepep" and any(c.startswith("quantize.grouped_mm") for c in w.converters))
+    return not refusal(backend, w)

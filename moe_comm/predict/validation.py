@@ -10,10 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_comm import estimate, scale_calibration, scale_model
-
-VALIDATION = scale_model.VALIDATION
-REPO = scale_model.REPO
+from moe_comm.predict import calibration, estimate, scale_model
+from moe_comm.predict.assumptions import REPO, VALIDATION
 
 
 def load_figures(path: Path = VALIDATION) -> list[dict]:
@@ -55,7 +53,7 @@ def _bench_row(fig: dict) -> dict:
     return next(r for r in data["rows"] if all(r.get(k) == v for k, v in m["row"].items()))
 
 
-def predicted(fig: dict, cal: scale_calibration.Calibration) -> float:
+def predicted(fig: dict, cal: calibration.Calibration) -> float:
     p = fig["predict"]
     q = p["quantity"]
     if fig["kind"] == "comm_bench":
@@ -89,7 +87,7 @@ class Row:
         return 100.0 * (self.predicted / self.measured - 1.0)
 
 
-def validate(cal: scale_calibration.Calibration, figures: list[dict] | None = None) -> list[Row]:
+def validate(cal: calibration.Calibration, figures: list[dict] | None = None) -> list[Row]:
     rows = []
     for fig in figures if figures is not None else load_figures():
         rows.append(Row(fig["id"], fig["kind"], fig["machine"], fig["use"], measured(fig), predicted(fig, cal),
@@ -100,7 +98,7 @@ def validate(cal: scale_calibration.Calibration, figures: list[dict] | None = No
 def fit_allocator_cache(figures: list[dict] | None = None) -> float:
     """Bytes of allocator cache per output-projection parameter (vocab x dim / tp) that best
     explain reserved - in use over the memory figures (least squares through 0); the value
-    moe_comm.estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM must match."""
+    moe_comm.predict.estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM must match."""
     figures = figures if figures is not None else load_figures()
     pairs = {}
     for fig in figures:

@@ -235,11 +235,17 @@ def draw_topk(
     if top_k > limited_groups * per_group:
         raise ValueError(f"top_k = {top_k} exceeds the {limited_groups * per_group} experts of {limited_groups} groups")
     scores = torch.rand(rows, num_groups, per_group, generator=g)
-    group_score = scores.topk(min(2, per_group), dim=2).values.sum(2)
+    if per_group >= 2:  # the sum of each group's two best scores (two max passes: faster than topk)
+        best, at = scores.max(2)
+        group_score = best + scores.scatter(2, at[..., None], -1.0).max(2).values
+    else:
+        group_score = scores[:, :, 0]
     keep = group_score.topk(limited_groups, dim=1).indices
-    mask = torch.zeros(rows, num_groups, dtype=torch.bool).scatter_(1, keep, True)
-    masked = scores.masked_fill(~mask[:, :, None], -1.0).view(rows, num_experts)
-    return masked.topk(top_k, dim=1).indices.view(world, tokens, top_k)
+    # top_k among the kept groups' experts only (the same picks as masking the others out)
+    kept = scores.gather(1, keep[:, :, None].expand(-1, -1, per_group)).view(rows, -1)
+    pick = kept.topk(top_k, dim=1).indices
+    ids = keep.gather(1, pick // per_group) * per_group + pick % per_group
+    return ids.view(world, tokens, top_k)
 
 
 @dataclass(frozen=True)
@@ -286,3 +292,14 @@ def routing_statistics(
         nodes_hit_per_token=p.nodes_hit_per_token, ranks_hit_per_token=p.ranks_hit_per_token,
         node_dedup=p.node_dedup, rank_dedup=p.rank_dedup,
     )
+
+
+def row_bytes(hidden: int, dtype: str = "bf16", metadata: bool = True) -> float:
+    """Bytes one row puts on a link: the hidden vector (bf16, or e4m3 plus one fp32 scale per
+    128 channels) and, for our kernels and DeepEP, the slot metadata (csrc/common/wire.h: a net
+    slot's NetMeta, 128 bytes, the larger of the two formats; NVLink deliveries carry 80)."""
+    from moe_comm.kernels.capacity import NET_META_BYTES
+
+    payload = hidden * 2 if dtype == "bf16" else hidden + hidden / 128 * 4
+    meta = NET_META_BYTES if metadata else 0
+    return payload + meta

@@ -1,0 +1,139 @@
+"""`python -m moe_comm plan RECIPE [--nodes N] [--gpu B200] [--backend X] [--keep ep=32] [--top 10]`:
+the layouts a recipe could run on a cluster, ranked per backend by the scale model's tokens/s
+per GPU, each with the overrides that select it and what bounds it (moe_comm.predict.plan).
+Predictions, not measurements: results/scale_model.md lists what the model assumes."""
+
+import argparse
+import sys
+
+from moe_comm import gpus, recipe
+from moe_comm.predict import calibration, scale_model
+from moe_comm.predict import plan as planner
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe TOML file")
+    _add_flags(parser)
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="TorchTitan overrides applied to the recipe first")
+
+
+def _add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=None, help="nodes of the cluster (default: [cluster] nodes)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: [cluster] gpus_per_node")
+    parser.add_argument("--gpu", default=None, choices=gpus.MODELS, help="default: [cluster] gpu")
+    parser.add_argument("--backend", action="append", default=None, choices=scale_model.BACKENDS,
+                        help="rank this backend only (repeatable; default: all)")
+    parser.add_argument("--keep", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"hold a choice fixed (repeatable); KEY one of {sorted(planner.KEEP_KEYS)}")
+    parser.add_argument("--top", type=int, default=10, help="rows per backend (default 10)")
+    parser.add_argument("--global-tokens", default=None, metavar="MIN-MAX",
+                        help="global batch range in tokens, e.g. 1M-4M (default: the recipe's, up to 4x)")
+    parser.add_argument("--headroom", type=float, default=0.15,
+                        help="share of GPU memory left free (default 0.15: at most 85%% in use)")
+    parser.add_argument("--explain", action="store_true",
+                        help="for each backend's best row, where its TFLOPS/GPU fall short of Megatron-Core's 944")
+
+
+def _tokens(word: str) -> float:
+    scale = {"K": 1e3, "M": 2**20, "G": 2**30}.get(word[-1:].upper(), 1)
+    return float(word[:-1] if scale != 1 else word) * scale
+
+
+def request(r: recipe.Recipe, nodes: int | None = None, gpus_per_node: int | None = None, gpu: str | None = None,
+            backends=None, keep: list[str] = (), global_tokens: str | tuple | None = None,
+            headroom: float = 0.15) -> planner.Request:
+    """A plan request for a loaded recipe (PlanError for a bad --keep or range); global_tokens
+    is "MIN-MAX" as typed, or a (min, max) pair."""
+    c = r.config
+    base = scale_model.workload_from_recipe(r)
+    gpu = gpu or c.cluster.gpu
+    if not gpu:
+        raise planner.PlanError("the recipe names no [cluster] gpu: pass --gpu (one of " + ", ".join(gpus.MODELS) + ")")
+    span = (0.0, 0.0)
+    if isinstance(global_tokens, tuple):
+        span = global_tokens
+    elif global_tokens:
+        lo, sep, hi = global_tokens.partition("-")
+        try:
+            span = (_tokens(lo), _tokens(hi))
+        except ValueError:
+            sep = ""
+        if not sep or not 0 < span[0] <= span[1]:
+            raise planner.PlanError(f"--global-tokens {global_tokens!r}: write MIN-MAX in tokens, e.g. 1M-4M")
+    par = c.parallelism
+    values = {
+        "nodes": r.layout.nodes, "pp": r.layout.pp, "ep": r.layout.ep, "local_batch": c.training.local_batch_size,
+        "ac": c.activation_checkpoint.mode, "dispatch_dtype": c.moe_comm.dispatch_dtype,
+        "schedule": par.pipeline_parallel_schedule, "microbatch": par.pipeline_parallel_microbatch_size,
+        "layers_per_stage": par.pipeline_parallel_layers_per_stage,
+        "dualpipe_overlap": par.pipeline_parallel_expert_parallel_overlap, "overlap": c.moe_comm.overlap,
+    }
+    return planner.Request(
+        base=base, gpu=gpu, nodes=nodes or r.layout.nodes, gpus_per_node=gpus_per_node or r.layout.procs_per_node,
+        recv_capacity_factor=c.moe_comm.recv_capacity_factor, recipe_values=values,
+        keep=planner.parse_keep(list(keep)), backends=tuple(backends or scale_model.BACKENDS),
+        global_tokens=span, headroom=headroom,
+    )
+
+
+def describe(row: planner.Row) -> str:
+    lay = row.layout
+    pp = f"PP {lay.pp} {lay.schedule} x{lay.v}" if lay.pp > 1 else "PP 1"
+    return (f"{pp}, EP {lay.ep}, mb {lay.microbatch} x {lay.microbatches}, AC {lay.ac}, overlap {lay.overlap}")
+
+
+def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
+    lines = []
+    for backend, rows in rows_by_backend.items():
+        if not rows:
+            why = scale_model.refusal(backend, req.base) or "nothing fits"
+            lines.append(f"{backend}: no feasible layout: {why}")
+            continue
+        lines.append(f"{backend}: {len(rows)} best feasible layout(s), predicted")
+        lines.append(f"  {'#':>2} {'tok/s/GPU':>9} {'TFLOPS':>6} {'MFU':>6} {'memory GiB':>11} {'bubble':>6} "
+                     f"{'MoE comm':>8} {'exposed':>7}  layout / overrides")
+        lines.append(f"  {'':>2} {'':>9} {'':>6} {'':>6} {'':>11} {'of step':>6} {'of step':>8} {'of it':>7}")
+        for i, row in enumerate(rows, 1):
+            p, b = row.prediction, row.bounds
+            lines.append(f"  {i:>2} {p.tokens_per_s_per_gpu:>9,.0f} {p.tflops_per_gpu:>6,.0f} {p.mfu:>5.1f}% "
+                         f"{row.memory_gib:>5.0f} / {row.memory_limit_gib:<4.0f} {b['bubble']:>6.0%} "
+                         f"{b['exposed comm']:>8.0%} {p.moe_exposed_share:>7.0%}  {describe(row)}")
+            lines.append(" " * 66 + " ".join(row.overrides))  # under the layout column
+    return lines
+
+
+def explain(row: planner.Row) -> list[str]:
+    p = row.prediction
+    lines = [f"{row.backend}: {p.tflops_per_gpu:,.0f} model TFLOPS/GPU predicted against Megatron-Core's "
+             f"{planner.MEGATRON_TFLOPS:.0f} (256 GB200, PP 8 VPP 4, EP 32, MXFP8; NOTES section 8), term by term:"]
+    for term, cost in planner.shortfall(p):
+        lines.append(f"  {cost:>+8,.0f} TFLOPS  {term}")
+    lines.append(f"  (= {planner.MEGATRON_TFLOPS - p.tflops_per_gpu:+,.0f}; Megatron's GB200 peak is 2.5 PFLOPS "
+                 f"bf16 against the B200's {p.peak_tflops / 1e3:.2f}, and it runs MXFP8 GEMMs)")
+    return lines
+
+
+def main(args: argparse.Namespace) -> int:
+    overrides = recipe.split_cli_overrides(args, _add_flags)
+    try:
+        r = recipe.load(args.recipe, overrides, device="cuda", gpu=args.gpu or "", check_paths=False)
+    except recipe.RecipeError as e:
+        return recipe.main_error(e)
+    try:
+        req = request(r, args.nodes, args.gpus_per_node, args.gpu, args.backend, args.keep, args.global_tokens,
+                      args.headroom)
+        rows = planner.plan(req, calibration.calibrate(), top=args.top)
+    except planner.PlanError as e:
+        print(f"plan error: {e}", file=sys.stderr)
+        return 2
+    n = req.nodes * req.gpus_per_node
+    print(f"plan for {r.path} on {req.nodes} x {req.gpus_per_node} {req.gpu} ({n} GPUs); kept: "
+          f"{planner.kept_text(req)}; memory limit {(1 - req.headroom):.0%} of the GPU; model predictions "
+          "(results/scale_model.md: assumptions and errors)")
+    for line in table(rows, req):
+        print(line)
+    if args.explain:
+        for backend_rows in rows.values():
+            if backend_rows:
+                print("\n".join(explain(backend_rows[0])))
+    return 0

@@ -1,0 +1,335 @@
+"""The planner: every layout a recipe could run on a cluster, the ones that fit in memory, ranked
+by the scale model's tokens/s per GPU for each backend.
+
+The search space (TorchTitan 0.2.2 with our EP hook, which takes no TP; no CP, no HSDP):
+  * PP degree: 1, 2, 4, 8, 16 where it divides the world; FSDP (dp_shard) takes the rest;
+  * the schedule (moe_comm.predict.schedule's five) and its stages per rank: every count
+    `pipeline_parallel_layers_per_stage` can give it;
+  * the microbatch size (1, 2, 4 sequences) and count, from the local batch: every power-of-two
+    local batch whose global batch (local batch x seq_len x dp_shard tokens) lies in the range
+    asked for (by default the recipe's own global batch up to 4 times it: a larger batch buys
+    throughput at the optimiser's expense, so the plan does not reach for it unasked);
+  * AC none / selective / full;
+  * the EP degree (a divisor of dp_shard and of the experts, at least one node's GPUs or the
+    recipe's own), which sets the EP / FSDP split of the experts (efsdp = dp_shard / ep);
+  * the MoE overlap: none, chunked ([moe_comm] overlap), and DualPipeV's own (with AC none, as
+    TorchTitan requires).
+A layout is kept when the memory estimate (moe_comm.predict.estimate, the pipeline rank that
+holds the most) plus the nvshmem backends' symmetric heap leaves the headroom asked for: 15% by
+default, issue 23's bound (memory in use at most 85% of the GPU), wider than `check`'s 10% fit
+verdict because the estimate's pipeline terms have not met a multi-node measurement yet.
+Backends: nccl, deepep, nvshmem (bf16 dispatch), nvshmem-fp8.
+Every figure is a model prediction, with the model's assumptions (results/scale_model.md).
+"""
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+from moe_comm.metrics.peaks import table_peaks
+from moe_comm.predict import estimate, schedule, scale_model
+from moe_comm.predict.calibration import Calibration
+
+PP_DEGREES = (1, 2, 4, 8, 16)
+MICROBATCH_SIZES = (1, 2, 4)
+AC_MODES = ("none", "selective", "full")
+BATCH_RANGE = (1.0, 4.0)  # the global batch searched, as multiples of the recipe's
+KEEP_KEYS = {
+    "ep": "expert_parallel_degree", "pp": "pipeline_parallel_degree", "schedule": "pipeline_parallel_schedule",
+    "stages": "stages per rank (from pipeline_parallel_layers_per_stage)",
+    "microbatch": "pipeline_parallel_microbatch_size",
+    "local_batch": "local_batch_size", "ac": "activation_checkpoint mode", "overlap": "[moe_comm] overlap",
+}
+# Megatron-Core's DeepSeek-V3 on 256 GB200 (TP 1, PP 8, VPP 4, EP 32, MXFP8), NOTES section 8
+MEGATRON_TFLOPS = 944.0
+
+
+class PlanError(ValueError):
+    """A request the planner cannot answer: a bad --keep, or a cluster nothing fits on."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space."""
+
+    pp: int
+    schedule: str
+    layers_per_stage: int | None
+    v: int
+    microbatch: int
+    local_batch: int
+    ac: str
+    ep: int
+    overlap: str
+
+    @property
+    def microbatches(self) -> int:
+        return self.local_batch // self.microbatch
+
+
+@dataclass
+class Row:
+    backend: str
+    layout: Layout
+    prediction: scale_model.StepPrediction
+    memory_gib: float  # in use at the peak, plus the nvshmem symmetric heap
+    memory_limit_gib: float
+    overrides: list[str]
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.prediction.tokens_per_s_per_gpu
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """What holds the row back: the bubble's and the exposed MoE communication's shares of
+        the step, and the memory's share of what may be used."""
+        t, step = self.prediction.terms_ms, self.prediction.step_ms
+        return {"bubble": t["pp bubble"] / step, "exposed comm": (t["moe comm"] + t["comm SM contention"]) / step,
+                "memory": self.memory_gib / self.memory_limit_gib}
+
+
+@dataclass
+class Request:
+    """What the plan searches: the recipe's model and settings, the cluster, what is kept."""
+
+    base: scale_model.Workload
+    gpu: str
+    nodes: int
+    gpus_per_node: int
+    recv_capacity_factor: float
+    recipe_values: dict  # the recipe's own choices, to write only the overrides that differ
+    keep: dict = field(default_factory=dict)
+    backends: tuple = scale_model.BACKENDS
+    global_tokens: tuple[float, float] = (0.0, 0.0)  # 0: BATCH_RANGE x the recipe's
+    headroom: float = 0.15
+
+
+def parse_keep(items: list[str]) -> dict:
+    """`--keep ep=32 --keep schedule=Interleaved1F1B`: a PlanError names a bad one."""
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in KEEP_KEYS or not value:
+            raise PlanError(f"--keep {item!r}: write KEY=VALUE with KEY one of {sorted(KEEP_KEYS)}")
+        if key in ("schedule",):
+            try:
+                out[key] = schedule.canonical(value)
+            except ValueError as e:
+                raise PlanError(f"--keep {item!r}: {e}") from None
+        elif key == "ac":
+            if value not in AC_MODES:
+                raise PlanError(f"--keep {item!r}: ac is one of {list(AC_MODES)}")
+            out[key] = value
+        elif key == "overlap":
+            if value not in scale_model.OVERLAPS:
+                raise PlanError(f"--keep {item!r}: overlap is one of {list(scale_model.OVERLAPS)}")
+            out[key] = value
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise PlanError(f"--keep {item!r}: {key} takes a whole number") from None
+            if out[key] < 1:
+                raise PlanError(f"--keep {item!r}: {key} must be >= 1")
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pow2_between(lo: float, hi: float) -> list[int]:
+    out, k = [], 1
+    while k <= hi:
+        if k >= lo:
+            out.append(k)
+        k *= 2
+    return out
+
+
+def layouts(req: Request) -> list[Layout]:
+    """Every layout of the search space TorchTitan and torch would build (before memory)."""
+    a, base, keep = req.base.args, req.base, req.keep
+    world = req.nodes * req.gpus_per_node
+    recipe_tokens = base.local_batch * base.seq_len * base.layout.dp_shard * base.layout.dp_replicate
+    lo, hi = req.global_tokens if req.global_tokens[1] else (BATCH_RANGE[0] * recipe_tokens,
+                                                             BATCH_RANGE[1] * recipe_tokens)
+    experts = a.moe_args.num_experts
+    out = []
+    for pp in PP_DEGREES:
+        if world % pp or pp > a.n_layers:
+            continue
+        dp = world // pp
+        # EP: a divisor of dp_shard and of the experts, at least a node's GPUs (or the recipe's)
+        eps = [e for e in _divisors(dp)
+               if experts % e == 0 and (e >= min(req.gpus_per_node, dp) or e == base.layout.ep)]
+        per_dp = base.seq_len * dp
+        batches = set(_pow2_between(lo / per_dp, hi / per_dp))
+        if lo <= base.local_batch * per_dp <= hi:
+            batches.add(base.local_batch)
+        pipelines = []  # (schedule, stages per rank, layers_per_stage, microbatch size)
+        for name in (schedule.SCHEDULES if pp > 1 else ("1F1B",)):
+            options = schedule.layers_per_stage_options(name, pp, a.n_layers) if pp > 1 else {1: None}
+            sizes = MICROBATCH_SIZES if pp > 1 else (0,)
+            for (v, per_stage), mbs in itertools.product(sorted(options.items()), sizes):
+                pipelines.append((name, v, per_stage, mbs))
+        for (name, v, per_stage, mbs), lb, ac, ep in itertools.product(pipelines, sorted(batches), AC_MODES, eps):
+            mb = mbs or lb  # without PP one "microbatch" is the local batch
+            if lb % mb or not _pipeline_ok(name, pp, lb // mb, v):
+                continue
+            overlaps = ("none", "chunked") + (("dualpipev",) if name == "DualPipeV" and ac == "none" else ())
+            for ov in overlaps:
+                lay = Layout(pp, name, per_stage, v, mb, lb, ac, ep, ov)
+                if _kept(lay, keep):
+                    out.append(lay)
+    return out
+
+
+def _pipeline_ok(name: str, pp: int, microbatches: int, v: int) -> bool:
+    if pp == 1:
+        return True
+    try:
+        schedule.Pipeline(name, pp, microbatches, v).validate()
+    except ValueError:
+        return False
+    return True
+
+
+def _kept(lay: Layout, keep: dict) -> bool:
+    """Whether a layout holds every --keep value."""
+    have = {"ep": lay.ep, "pp": lay.pp, "schedule": lay.schedule, "stages": lay.v, "microbatch": lay.microbatch,
+            "local_batch": lay.local_batch, "ac": lay.ac, "overlap": lay.overlap}
+    # without PP there is no schedule and no microbatching to keep
+    return all(have[k] == v for k, v in keep.items() if not (k in ("schedule", "microbatch") and lay.pp == 1))
+
+
+def _workload(req: Request, lay: Layout) -> scale_model.Workload:
+    world = req.nodes * req.gpus_per_node
+    dp = world // lay.pp
+    layout = estimate.Layout(world, req.nodes, req.gpus_per_node, 1, dp, 1, 1, lay.pp, lay.ep, 1)
+    return replace(req.base, layout=layout, local_batch=lay.local_batch, microbatch=lay.microbatch,
+                   ac_mode=lay.ac, pp_schedule=lay.schedule, layers_per_stage=lay.layers_per_stage,
+                   overlap=lay.overlap)
+
+
+def _heap_gib(req: Request, w: scale_model.Workload) -> float:
+    """The nvshmem backends' symmetric heap (outside torch's allocator) for this layout."""
+    from moe_comm.kernels import capacity
+
+    m = w.args.moe_args
+    s = capacity.buffer_sizes(w.tokens_per_call, m.num_experts, m.top_k, w.args.dim * 2, w.layout.ep,
+                              w.ranks_per_node, req.recv_capacity_factor)
+    return s.symmetric_bytes() / estimate.GiB
+
+
+def overrides(req: Request, lay: Layout, backend: str) -> list[str]:
+    """The command-line overrides that turn the recipe into this row (only what differs)."""
+    r = req.recipe_values
+    name = "nvshmem" if backend.startswith("nvshmem") else backend
+    dtype = "fp8" if backend == "nvshmem-fp8" else "bf16"
+    want = [
+        ("--cluster.nodes", req.nodes, r["nodes"]),
+        ("--parallelism.pipeline_parallel_degree", lay.pp, r["pp"]),
+        ("--parallelism.expert_parallel_degree", lay.ep, r["ep"]),
+        ("--training.local_batch_size", lay.local_batch, r["local_batch"]),
+        ("--activation_checkpoint.mode", lay.ac, r["ac"]),
+        ("--moe_comm.backend", name, None),  # always: the row is a backend's
+    ]
+    if name == "nvshmem":
+        want.append(("--moe_comm.dispatch_dtype", dtype, r["dispatch_dtype"]))
+    if lay.pp > 1:
+        want += [("--parallelism.pipeline_parallel_schedule", lay.schedule, r["schedule"]),
+                 ("--parallelism.pipeline_parallel_microbatch_size", lay.microbatch, r["microbatch"]),
+                 ("--parallelism.pipeline_parallel_layers_per_stage", lay.layers_per_stage, r["layers_per_stage"])]
+    if lay.schedule == "DualPipeV" and lay.pp > 1:
+        want.append(("--parallelism.pipeline_parallel_expert_parallel_overlap",
+                     "true" if lay.overlap == "dualpipev" else "false",
+                     "true" if r["dualpipe_overlap"] else "false"))
+    want.append(("--moe_comm.overlap", "none" if lay.overlap == "dualpipev" else lay.overlap, r["overlap"]))
+    out = []
+    for flag, value, theirs in want:
+        if value != theirs:
+            out += [flag, str(value)]
+    return out
+
+
+def plan(req: Request, cal: Calibration, top: int = 10) -> dict[str, list[Row]]:
+    """The best `top` feasible layouts per backend, fastest first (PlanError if none fits)."""
+    for b in req.backends:
+        if b not in scale_model.BACKENDS:
+            raise PlanError(f"--backend {b!r}: choose from {list(scale_model.BACKENDS)}")
+    world = req.nodes * req.gpus_per_node
+    if req.nodes < 1 or req.gpus_per_node < 1:
+        raise PlanError(f"a cluster of {req.nodes} node(s) x {req.gpus_per_node} GPU(s) is empty")
+    experts = req.base.args.moe_args.num_experts
+    if "ep" in req.keep and (world % req.keep["ep"] or experts % req.keep["ep"]):
+        raise PlanError(f"--keep ep={req.keep['ep']}: EP must divide the {world} GPUs and the {experts} experts")
+    gpu_mem = _gpu_memory_gib(req.gpu)
+    limit = (1 - req.headroom) * gpu_mem
+    cluster = scale_model.cluster_for(req.gpu, req.nodes, req.gpus_per_node, cal)
+    candidates = layouts(req)
+    if not candidates:
+        raise PlanError(f"no layout of the search space can run on {req.nodes} x {req.gpus_per_node} {req.gpu} "
+                        f"with {kept_text(req)}: the kept values exclude every PP degree, schedule or batch")
+    rows: dict[str, list[Row]] = {b: [] for b in req.backends}
+    memo: dict = {}
+    least = math.inf
+    for lay in candidates:
+        w = _workload(req, lay)
+        key = (lay.pp, lay.schedule, lay.v, lay.microbatch, lay.local_batch, lay.ac, lay.ep)
+        if key not in memo:
+            mem = estimate.memory_per_gpu(w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch,
+                                          w.pp_schedule, w.layers_per_stage)
+            memo[key] = (mem.total / estimate.GiB, _heap_gib(req, w))
+        in_use, heap = memo[key]
+        for b in req.backends:
+            total = in_use + (heap if b.startswith("nvshmem") else 0.0)
+            least = min(least, total)
+            if total > limit or not scale_model.runnable(b, w):
+                continue
+            p = scale_model.predict(b, w, cluster, cal)
+            rows[b].append(Row(b, lay, p, total, limit, overrides(req, lay, b)))
+    if not any(rows.values()):
+        raise PlanError(f"nothing fits on {req.nodes} x {req.gpus_per_node} {req.gpu} ({gpu_mem:.0f} GiB, "
+                        f"{req.headroom:.0%} headroom: {limit:.0f} GiB) with {kept_text(req)}: the smallest layout "
+                        f"needs {least:.0f} GiB per GPU; add nodes or relax --keep")
+    return {b: sorted(r, key=lambda row: -row.tokens_per_s_per_gpu)[:top] for b, r in rows.items()}
+
+
+def kept_text(req: Request) -> str:
+    return ", ".join(f"{k}={v}" for k, v in req.keep.items()) or "nothing kept"
+
+
+def _gpu_memory_gib(gpu: str) -> float:
+    from moe_comm import gpus
+
+    known = gpus.lookup(gpu)
+    if known is None or table_peaks(f"NVIDIA {gpu}") is None:
+        raise PlanError(f"--gpu {gpu!r}: the plan knows {list(gpus.MODELS)}")
+    return known.memory_gib
+
+
+def shortfall(p: scale_model.StepPrediction, reference_tflops: float = MEGATRON_TFLOPS) -> list[tuple[str, float]]:
+    """Where a prediction's model TFLOPS/GPU go, term by term: (term, TFLOPS). The first line
+    is the reference less what the step's forward and backward matmuls and attention alone
+    would reach (at the model's GEMM and attention efficiencies; negative when they alone would
+    beat it); each later line is what adding that term's time to the step costs, in the order
+    listed, so the lines add up to the reference less the prediction."""
+    flops = p.tflops_per_gpu * p.step_ms  # the step's model flops, in TFLOPS x ms
+    t, redo = p.terms_ms, p.recompute_ms
+    parts = [("memory-bound kernels", t["memory-bound"] - redo["memory-bound"]),
+             ("activation recompute", sum(redo.values())),
+             ("exposed MoE communication", t["moe comm"]), ("comm SM contention", t["comm SM contention"]),
+             ("TP communication", t["tp comm"]), ("PP sends", t["pp p2p"]), ("pipeline bubble", t["pp bubble"]),
+             ("exposed FSDP collectives", t["fsdp exposed"]), ("optimizer step", t["optimizer"]),
+             ("parameter and gradient copies (FSDP, PP accumulation)", t["param copies"]),
+             ("GPU idle (launch gaps, host work)", t["idle"])]
+    elapsed = t["gemm"] - redo["gemm"] + t["attention"] - redo["attention"]
+    out = [("the reference less matmuls and attention alone (at their measured times)",
+            reference_tflops - flops / elapsed)]
+    for name, ms in parts:
+        if ms > 0:
+            out.append((name, flops / elapsed - flops / (elapsed + ms)))
+            elapsed += ms
+    return out

@@ -1,0 +1,171 @@
+"""GPU cases of the MoE comm overlap (moe_comm.titan.overlap), shared by the backends' case
+runners (tests/gpu/nvshmem_cases.py, tests/gpu/deepep_cases.py): what the CPU tests cannot
+check, because CPU ops have no streams.
+
+- `calls_in_flight`: a backend's real calls in the "chunked" schedule, by hand: two dispatches
+  in flight on the process's comm stream, each chunk's experts on the compute stream (kept busy
+  with a GEMM) while the other chunk's dispatch or combine runs, every ordering by events only,
+  no host sync inside an iteration; many iterations with fresh routing, each output against the
+  pure-torch reference (tests/gpu/oracles.py).
+- `layer_matches_plain`: TorchTitan's debug model (one dense and two MoE layers, every MoE layer
+  on the backend, expert weights sharded over the ranks) trained one step with overlap "chunked"
+  and with "none" from the same weights, with activation checkpointing none, full and per-op
+  selective (the backend's ops on the save list): the loss and every gradient agree. fp32 with
+  the for-loop experts: 1e-4 (the expert weights' gradient is a sum over two chunks); bf16
+  grouped GEMMs: 2e-2 of each gradient's largest value (each chunk's expert-weight gradient is
+  rounded to bf16 on its own). The metrics' waits were recorded in forward and backward.
+
+Both also run on CPU with the nccl backend (tests/test_overlap.py), where every stream
+operation is a no-op: that checks the cases themselves, not the streams.
+"""
+
+import copy
+
+import torch
+
+from oracles import expert_params, reference_forward
+
+from moe_comm.backends.base import chunk_sizes
+from moe_comm.titan import overlap
+
+MODES = ("random", "zipf", "one_expert")
+
+
+def _experts_by_row(recv_RD, tokens_per_expert_L, first_expert, a, b):
+    """y = recv * a_e + b_e on each expert's segment (as oracles.apply_experts), rows past the
+    last segment zero, without reading the counts on the host (no sync inside the schedule)."""
+    L = tokens_per_expert_L.numel()
+    ends_L = tokens_per_expert_L.to(device=recv_RD.device, dtype=torch.int64).cumsum(0)  # DeepEP's are on the host
+    row_R = torch.arange(recv_RD.shape[0], device=recv_RD.device)
+    e_R = torch.searchsorted(ends_L, row_R, right=True)
+    valid_R = (e_R < L)[:, None]
+    e_R = e_R.clamp(max=L - 1) + first_expert
+    return torch.where(valid_R, recv_RD * a[e_R] + b[e_R], torch.zeros((), dtype=recv_RD.dtype, device=recv_RD.device))
+
+
+def calls_in_flight(rank, world, device, route, backend, hidden, num_experts, top_k, iters, min_tokens=1,
+                    dtype=torch.bfloat16):
+    s = overlap.Streams(device)  # the process's comm stream and the current one (no-ops on CPU)
+    L = num_experts // world
+    a, b = expert_params(num_experts, hidden, dtype, device, 21)
+    busy = torch.randn(*(2 * (1024 if s.cuda else 32,)), device=device, dtype=torch.bfloat16)
+    errors = []
+    for it in range(iters):
+        g = torch.Generator().manual_seed(900 + it * 31 + rank)
+        T = min_tokens + (it * 97 + rank * 13) % 512  # 1 token: the second chunk is empty
+        x = torch.randn(T, hidden, generator=g).to(dtype).to(device)
+        idx, w = route(T, num_experts, top_k, MODES[it % len(MODES)], g)
+        sizes = chunk_sizes(T, 2)
+        s.wait(s.comm, s.mark(s.compute))
+        dispatched, dispatch_done = [], []
+        with s.on_comm():
+            for xc, ic, wc in zip(x.split(sizes), idx.split(sizes), w.split(sizes)):
+                s.hand_over((xc, ic, wc), s.comm)
+                dispatched.append(backend.dispatch(xc.contiguous(), ic.contiguous(), wc.contiguous()))
+                dispatch_done.append(s.mark(s.comm))
+        outs = []
+        for d, done in zip(dispatched, dispatch_done):
+            busy = (busy @ busy).tanh()  # the compute stream has work of its own meanwhile
+            s.wait(s.compute, done)
+            s.hand_over((d.recv_x_RD, d.tokens_per_expert_L), s.compute)
+            y = _experts_by_row(d.recv_x_RD, d.tokens_per_expert_L, rank * L, a, b)
+            s.wait(s.comm, s.mark(s.compute))
+            with s.on_comm():
+                s.hand_over((y,), s.comm)
+                outs.append(backend.combine(y, d.handle))
+        busy = (busy @ busy).tanh()
+        s.wait(s.compute, s.mark(s.comm))
+        s.hand_over(outs, s.compute)
+        out = torch.cat(outs).float().cpu()
+        ref = reference_forward(x.cpu(), idx.cpu(), w.cpu(), a.cpu(), b.cpu())
+        err = (out - ref).abs().max().item() if T else 0.0
+        if err > 3e-2 * max(1.0, ref.abs().max().item()):
+            errors.append(f"iteration {it} ({T} tokens): error {err}")
+    if s.cuda:
+        torch.cuda.synchronize()
+    if hasattr(backend, "check_errors"):
+        backend.check_errors(synchronize=True)
+    assert not errors, errors
+
+
+def _model(rank, world, device, make_backend, ac, grouped_mm):
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    from moe_comm.metrics import instrument
+    from moe_comm.titan.model import MoECommDeepSeekV3Model
+    from moe_comm.titan.parallelize import sac_save_list
+
+    args = copy.deepcopy(deepseekv3_args["debugmodel"])
+    args.moe_impl = "standard"
+    args.n_layers = 3
+    args.moe_args.use_grouped_mm = grouped_mm
+    torch.manual_seed(0)  # the same weights on every rank; each rank keeps its experts' slice
+    with torch.device(device):
+        model = MoECommDeepSeekV3Model(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    backends = []
+    for block in model.layers.values():
+        if block.moe_enabled:
+            experts = block.moe.experts
+            L = experts.num_experts // world
+            for name in ("w1", "w2", "w3"):
+                full = getattr(experts, name)
+                setattr(experts, name, torch.nn.Parameter(full.detach()[rank * L:(rank + 1) * L].clone()))
+            block.moe.comm_backend = instrument(make_backend(experts.num_experts, block.moe.router.top_k, args.dim))
+            backends.append(block.moe.comm_backend)
+    if ac != "none":
+        mode, option = ac.split(":")
+        apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option),
+                 op_sac_save_list=sac_save_list(backends[0].name))
+    return model, backends
+
+
+def layer_matches_plain(rank, world, device, make_backend):
+    tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(40 + rank)).to(device)
+    failures = []
+    for grouped_mm, tol in ((False, 1e-4), (True, 2e-2)):
+        for ac in ("none", "full:2", "selective:op"):
+            model, backends = _model(rank, world, device, make_backend, ac, grouped_mm)
+            results, timing, waits = {}, {}, set()
+            for mode in ("none", "chunked"):
+                for backend in backends:
+                    backend.config.overlap = mode
+                model.zero_grad(set_to_none=True)
+                loss = model(tokens).float().square().mean()
+                loss.backward()
+                results[mode] = (loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                              if p.grad is not None})
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                for backend in backends:
+                    if hasattr(backend.backend, "check_errors"):
+                        backend.backend.check_errors(synchronize=True)
+                waits |= {phase for phase, _, _ in backends[0].stats.waits}
+                times = backends[0].stats.take_times_ms()
+                timing[mode] = (sum(times.values()), sum(backends[0].stats.take_exposed_ms(times).values()))
+            where = f"grouped_mm={grouped_mm} ac={ac}"
+            if device.type == "cuda" and waits != {"dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd"}:
+                failures.append(f"{where}: waits recorded for {sorted(waits)}, not every phase")
+            if not (timing["chunked"][1] >= 0 and timing["none"][0] == timing["none"][1]):
+                failures.append(f"{where}: comm and exposed ms {timing}")
+            if rank == 0:
+                print(f"[overlap] {where}: first MoE layer, comm / exposed ms: none {timing['none'][0]:.2f} / "
+                      f"{timing['none'][1]:.2f}, chunked {timing['chunked'][0]:.2f} / {timing['chunked'][1]:.2f}",
+                      flush=True)
+            (loss_plain, grads_plain), (loss_chunked, grads_chunked) = results["none"], results["chunked"]
+            if abs(loss_chunked - loss_plain) > tol * max(1.0, abs(loss_plain)):
+                failures.append(f"{where}: loss {loss_chunked} vs {loss_plain}")
+            if grads_plain.keys() != grads_chunked.keys():
+                failures.append(f"{where}: gradients for different parameters")
+                continue
+            for name, g in grads_plain.items():
+                if not torch.isfinite(grads_chunked[name]).all():
+                    failures.append(f"{where}: {name} has non-finite gradients")
+                    continue
+                err = (grads_chunked[name] - g).abs().max().item()
+                if err > tol * max(g.abs().max().item(), 1e-6):
+                    failures.append(f"{where}: {name} differs by {err} (largest {g.abs().max().item()})")
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,119 @@
+"""TorchTitan's trainer, running every step once per MoE overlap variant from the same weights.
+
+Run under torchrun like `-m torchtitan.train`, with the variants in MOE_COMM_TEST_VARIANTS
+(comma-separated, the first is the reference):
+    plain      [moe_comm] overlap = "none", no DualPipeV sync points
+    chunked    [moe_comm] overlap = "chunked"
+    dualpipev  DualPipeV's EP overlap: TorchTitan's overlap callback and our sync points
+               (needs pipeline_parallel_schedule = "DualPipeV" and EP)
+Each step runs forward + backward for every variant on the same batch and weights (gradients
+cleared in between); the optimizer then steps with the last variant's gradients. Each rank
+writes {dump_folder}/overlap_rank{R}.json: whether parallelize gave every MoE layer DualPipeV's
+sync points, and per variant and step the loss (float.hex) and, against
+the reference, the largest gradient difference over the expert weights and over every other
+parameter (relative to that parameter's largest reference gradient), and how many DualPipeV
+sync barriers the two threads passed, so one launch compares all variants.
+"""
+
+import json
+import os
+
+import torch
+from torch.distributed.pipelining.schedules import OVERLAP_F_B
+from torch.distributed.tensor import DTensor
+from torchtitan.distributed import dual_pipe_v
+from torchtitan.distributed.dual_pipe_v import overlap_callback
+from torchtitan.train import main, Trainer
+
+from moe_comm.titan.model import TokenLevelMoE
+
+VARIANTS = os.environ.get("MOE_COMM_TEST_VARIANTS", "plain,chunked").split(",")
+
+# DualPipeV sync-point crossings (barriers while TorchTitan's coordination is on), counted so
+# the test knows the dualpipev variant really ran its two threads in lockstep.
+_barriers = {"passed": 0}
+_titan_barrier = dual_pipe_v.HookCoordinator.barrier
+
+
+def _counting_barrier(self):
+    if self.is_coordination_enabled():
+        _barriers["passed"] += 1
+    return _titan_barrier(self)
+
+
+dual_pipe_v.HookCoordinator.barrier = _counting_barrier
+
+
+def _set_variant(trainer: Trainer, variant: str) -> None:
+    for part in trainer.model_parts:
+        for module in part.modules():
+            if isinstance(module, TokenLevelMoE):
+                module.dual_pipe_v = variant == "dualpipev"
+                module.comm_backend.config.overlap = "chunked" if variant == "chunked" else "none"
+    schedule = getattr(trainer, "pp_schedule", None)
+    functions = getattr(schedule, "_comp_type_to_function_map", None)
+    if functions is not None:
+        if variant == "dualpipev":
+            functions[OVERLAP_F_B] = overlap_callback
+        else:
+            functions.pop(OVERLAP_F_B, None)  # the schedule runs F then B, one thread
+
+
+def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    grads = {}
+    for i, part in enumerate(trainer.model_parts):
+        for name, p in part.named_parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grads[f"{i}.{name}"] = g.detach().clone()
+    return grads
+
+
+def _max_rel_diff(ref: dict, got: dict, experts: bool) -> float:
+    assert ref.keys() == got.keys(), "the variants produced gradients for different parameters"
+    worst = 0.0
+    for name in ref:
+        if (".experts." in name) != experts:
+            continue
+        scale = ref[name].abs().max().item()
+        diff = (got[name] - ref[name]).abs().max().item()
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+class OverlapTrainer(Trainer):
+    def forward_backward_step(self, *args, **kwargs):
+        if "overlap_record" not in self.__dict__:
+            # what parallelize set up, before any variant changes it
+            self.overlap_record = {v: [] for v in VARIANTS}
+            self.overlap_record["built_with_sync_points"] = all(
+                m.dual_pipe_v for part in self.model_parts for m in part.modules() if isinstance(m, TokenLevelMoE)
+            )
+        record = self.overlap_record
+        reference = None
+        for variant in VARIANTS:
+            _set_variant(self, variant)
+            self.optimizers.zero_grad()
+            _barriers["passed"] = 0
+            loss = super().forward_backward_step(*args, **kwargs)
+            grads = _grads(self)
+            reference = reference or grads
+            record[variant].append({
+                "loss": float(loss.detach()).hex(),
+                "experts_grad_rel": _max_rel_diff(reference, grads, experts=True),
+                "other_grad_rel": _max_rel_diff(reference, grads, experts=False),
+                "sync_barriers": _barriers["passed"],
+            })
+        return loss
+
+    def close(self) -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        path = os.path.join(self.job_config.job.dump_folder, f"overlap_rank{rank}.json")
+        os.makedirs(self.job_config.job.dump_folder, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.__dict__.get("overlap_record", {}), f)
+        super().close()
+
+
+if __name__ == "__main__":
+    main(OverlapTrainer)

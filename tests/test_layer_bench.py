@@ -1,0 +1,164 @@
+"""experiments/layer_bench.py end to end on CPU (--tiny): the JSON names the machine, the
+ceilings and every part of both cases with its times, FLOPs, bytes and efficiency; parts that
+cannot run on a CPU say why; the report prints every part and the layer's sum; --resume keeps
+what was measured. Plus the closed forms the efficiencies rest on."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("layer_bench", REPO / "experiments" / "layer_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["layer_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+lb = _load()
+
+# Every part of a case, named independently of the script (a part that disappears fails here).
+COMMON = ["rmsnorm", "residual_add", "rope", "silu_mul.experts", "attention.module.sdpa", "attention.core.sdpa",
+          "attention.module.flex", "attention.core.flex", f"attention.core.flex.docs{lb.DOC_TOKENS}", "router",
+          "reorderer", "shared_expert", "dense_ffn", "recv_permute", "embedding", "output_loss",
+          *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled") for r in ("balanced", "node_limited")]]
+COMPOSITES = ["moe.standard_local", "layer.moe_block"]  # TP 1 only
+NOT_ON_CPU = {"flex": "FlexAttention's backward does not run on CPU", "fp8": "float8 grouped GEMMs need a CUDA GPU"}
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lb") / "layer_bench.json"
+    argv = ["run", "--device", "cpu", "--tiny", "--iters", "1", "--warmup", "0", "--budget-s", "1e9", "--out", str(out)]
+    assert lb.main(argv) == 0
+    return out, json.loads(out.read_text())
+
+
+def test_json_names_machine_peaks_and_cases(bench):
+    _, doc = bench
+    assert doc["schema"] == lb.SCHEMA
+    assert doc["command"].startswith("python experiments/layer_bench.py run --device cpu --tiny")
+    assert doc["machine"]["device"] == "CPU" and doc["machine"]["torchtitan"] == "0.2.2"
+    assert doc["peaks"]["measured"]["bf16_gemm"]["tflops"] > 0
+    assert doc["peaks"]["measured"]["copy"]["tbs"] > 0
+    assert "SM 8.9" in doc["peaks"]["measured"]["fp8_rowwise_gemm"]["reason"]
+    flag, neb = doc["cases"]["flagship"], doc["cases"]["nebius"]
+    # the flagship's microbatch (PP: one sequence) and the Nebius layout (TP 2, seq twice as long)
+    assert (flag["sequences"], flag["tp"], neb["tp"]) == (1, 1, 2) and neb["seq_len"] == 2 * flag["seq_len"]
+    assert neb["routing"] == "balanced" and flag["routing"] == "node_limited"
+    for c in (flag, neb):
+        rows = c["received_rows"]
+        picks = c["tokens_sp"] * 4  # tiny: top-4
+        # balanced: every rank receives exactly its own number of picks; node-limited: the slowest rank more
+        assert rows["balanced"]["rows"] == picks == sum(rows["balanced"]["rows_L"])
+        assert sum(map(sum, rows["balanced"]["rows_from_SL"])) == picks
+        assert rows["node_limited"]["rows"] >= rows["node_limited"]["mean_rows"] == picks
+
+
+def test_every_part_is_measured_or_says_why(bench):
+    _, doc = bench
+    got = {(p["case"], p["name"]): p for p in doc["parts"]}
+    expected = [("flagship", n) for n in COMMON + COMPOSITES] + [("nebius", n) for n in COMMON]
+    assert sorted(got) == sorted(expected)
+    for (case, name), p in got.items():
+        blocked = next((why for key, why in NOT_ON_CPU.items() if key in name), None)
+        if blocked:
+            assert p["status"] == "not run" and blocked in p["reason"], (case, name, p)
+            continue
+        assert p["status"] == "ok", (case, name, p.get("reason"))
+        for phase in ("fwd", "bwd", "fwd_ac", "bwd_ac"):
+            assert p["ms"][phase]["median"] > 0, (name, phase)
+        assert p["bytes"]["fwd"] > 0 and p["bytes"]["bwd"] > 0
+        if p["bound"] in ("compute", "mixed"):
+            assert p["flops"]["fwd"] > 0 and p["flops"]["bwd"] == 2 * p["flops"]["fwd"]
+            assert p["efficiency"]["fwd"]["tflops"] > 0
+        else:
+            assert p["efficiency"]["fwd"]["tbs"] > 0
+
+
+def test_layer_sum_counts_the_common_parts(bench):
+    _, doc = bench
+    sums = lb.layer_sums(doc)
+    flag = sums["flagship"]
+    # the flagship's flavor runs FlexAttention, which a CPU cannot: SDPA stands in, named
+    assert "2 x rmsnorm" in flag["parts"] and "2 x residual_add" in flag["parts"]
+    assert any(s.startswith("attention.module.sdpa (for attention.module.flex") for s in flag["parts"])
+    assert "experts.bf16.node_limited" in flag["parts"] and "experts.bf16.balanced" in sums["nebius"]["parts"]
+    ok = {(p["case"], p["name"]): p for p in doc["parts"] if p["status"] == "ok"}
+    expect = sum(n * ok[("flagship", name)]["ms"]["fwd"]["median"] for n, name in
+                 ((2, "rmsnorm"), (2, "residual_add"), (1, "attention.module.sdpa"), (1, "router"),
+                  (1, "shared_expert"), (1, "experts.bf16.node_limited")))
+    assert flag["fwd"] == pytest.approx(expect)
+
+
+def test_report_prints_every_part(bench, capsys):
+    out, doc = bench
+    assert lb.main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    for p in doc["parts"]:
+        assert f"| {p['case']} | {p['name']} |" in text
+    assert "- flagship: fwd" in text and "- nebius: fwd" in text
+    assert "the standard path's own layout work" in text
+    with pytest.raises(ValueError, match="not a layer_bench JSON"):
+        lb.report({"schema": "other"})
+
+
+def test_resume_keeps_what_was_measured(bench, tmp_path):
+    out, doc = bench
+    copy = tmp_path / "lb.json"
+    copy.write_text(out.read_text())
+    argv = ["run", "--device", "cpu", "--tiny", "--iters", "1", "--warmup", "0", "--budget-s", "1e9",
+            "--out", str(copy), "--resume", "--cases", "nebius", "--parts", "rmsnorm", "attention.core.flex"]
+    assert lb.main(argv) == 0
+    again = json.loads(copy.read_text())
+    assert len(again["resumed_by"]) == 1 and "--resume" in again["resumed_by"][0]["command"]
+    kept = [p for p in again["parts"] if p["status"] == "ok"]
+    assert len(kept) == sum(p["status"] == "ok" for p in doc["parts"])
+    # the parts not measured before, of the case and names asked for (names are prefixes), again
+    assert {(p["case"], p["name"]) for p in again["parts"] if p["status"] != "ok"} == {
+        ("nebius", "attention.core.flex"), ("nebius", f"attention.core.flex.docs{lb.DOC_TOKENS}")}
+
+
+def test_causal_flops_closed_form():
+    assert lb.causal_pairs(4, None) == 10  # 1 + 2 + 3 + 4
+    assert lb.causal_pairs(8, 4) == 20  # two documents of 4
+    assert lb.causal_pairs(10, 4) == 10 + 10 + 3  # and a last one of 2
+    case = lb.Case("x", "", "671B", 4096, 1, 1, 32, "balanced")
+    a = lb.flavor_args(case)
+    # 2 x heads x kept pairs x (qk + v): 128 heads, 192 + 128 head dims, causal ~ S^2 / 2
+    assert lb.attention_core_flops(a, case) == 2 * 128 * (4096 * 4097 / 2) * 320
+    tp2 = lb.Case("x", "", "671B", 8192, 1, 2, 32, "balanced")
+    assert lb.attention_core_flops(a, tp2, 512) == 2 * 64 * 16 * (512 * 513 / 2) * 320
+
+
+def test_the_scale_model_reads_what_the_bench_writes(bench, tmp_path, monkeypatch):
+    """The JSON this script writes is the one moe_comm.predict.layer_compute reads: the tiny run,
+    relabelled as a GPU run of a registered flavor, prices its own shape from its own parts."""
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    from moe_comm.predict import estimate, layer_compute
+    from moe_comm.predict.scale_model import Workload
+
+    _, doc = bench
+    doc = json.loads(json.dumps(doc))
+    doc["settings"]["tiny"], doc["machine"]["device"] = False, "NVIDIA H200"
+    path = tmp_path / "layer_bench.json"
+    path.write_text(json.dumps(doc))
+    flagship = lb.cases(tiny=True)[0]
+    tiny = lb.flavor_args(flagship)
+    monkeypatch.setitem(deepseekv3_args, "tiny", tiny)
+    layout = estimate.Layout(4, 1, 4, 1, 4, 1, 1, 1, flagship.ep, 1)
+    w = Workload("tiny", tiny, layout, 1, flagship.seq_len, 1, "full", (), "node_limited", 20)
+    c = layer_compute.rank_ms(layer_compute.load(path), w, "H200", tuple(range(tiny.n_layers)), True, True)
+    part = {p["name"]: p for p in doc["parts"] if p["case"] == "flagship"}
+    core = part["attention.core.sdpa"]
+    per_layer = core["ms"]["fwd"]["median"] + core["ms"]["bwd"]["median"] + max(core["ms"]["recompute"], 0.0)
+    assert sum(c.terms["attention"]) == pytest.approx(tiny.n_layers * per_layer)
+    assert any("SDPA's time stands in" in n for n in c.notes)  # no FlexAttention on a CPU
+    assert set(c.parts) == set(layer_compute.PARTS)

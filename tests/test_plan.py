@@ -1,0 +1,138 @@
+"""`python -m moe_comm plan`: the search space, feasibility, ranking, the override lines (which
+must reproduce each row's prediction when applied to the recipe) and the refusals."""
+
+from pathlib import Path
+
+import pytest
+
+from moe_comm import plan as plan_verb
+from moe_comm import recipe
+from moe_comm.__main__ import main
+from moe_comm.predict import calibration, estimate, scale_model, schedule
+from moe_comm.predict import plan as planner
+
+REPO = Path(__file__).resolve().parents[1]
+FLAGSHIP = str(REPO / "recipes" / "deepseek_v3_671b_b200.toml")
+
+
+@pytest.fixture(scope="module")
+def flagship_plan():
+    r = recipe.load(FLAGSHIP, [], device="cuda", check_paths=False)
+    req = plan_verb.request(r, backends=["nvshmem", "deepep"], keep=["ep=32", "pp=8"])
+    return r, req, planner.plan(req, calibration.calibrate(), top=5)
+
+
+def test_rows_are_feasible_ranked_and_kept(flagship_plan):
+    _, req, rows = flagship_plan
+    assert set(rows) == {"nvshmem", "deepep"}
+    for backend, top in rows.items():
+        assert len(top) == 5
+        speeds = [row.tokens_per_s_per_gpu for row in top]
+        assert speeds == sorted(speeds, reverse=True)
+        for row in top:
+            assert (row.layout.ep, row.layout.pp) == (32, 8)
+            assert row.memory_gib <= 0.85 * 178.4 and row.memory_limit_gib == pytest.approx(0.85 * 178.4)
+            assert 0 <= row.bounds["bubble"] < 1 and 0 < row.bounds["exposed comm"] < 1
+            # the global batch stays in the stated range: the recipe's 4M tokens up to 4x
+            tokens = row.layout.local_batch * 4096 * 32
+            assert 4 * 2**20 <= tokens <= 16 * 2**20
+            assert row.prediction.tflops_per_gpu == pytest.approx(row.prediction.mfu / 100 * 2250)
+
+
+def test_override_lines_reproduce_their_rows(flagship_plan):
+    """Each row's overrides, applied to the recipe, give the row's layout and prediction (the
+    deepep row's layout is loaded with the nccl backend: DeepEP is not installed here, and its
+    check_run asks for it)."""
+    _, req, rows = flagship_plan
+    cal = calibration.calibrate()
+    for backend in rows:
+        row = rows[backend][0]
+        line = " ".join(row.overrides).replace("--moe_comm.backend deepep", "--moe_comm.backend nccl").split()
+        r = recipe.load(FLAGSHIP, line, device="cuda", check_paths=False)
+        w = scale_model.workload_from_recipe(r)
+        assert w.overlap == row.layout.overlap and w.pp_schedule == row.layout.schedule
+        cluster = scale_model.cluster_for("B200", r.layout.nodes, r.layout.procs_per_node, cal)
+        p = scale_model.predict(backend, w, cluster, cal)
+        assert p.tokens_per_s_per_gpu == pytest.approx(row.tokens_per_s_per_gpu)
+        mem = estimate.memory_per_gpu(w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch,
+                                      w.pp_schedule, w.layers_per_stage)
+        assert mem.total / estimate.GiB <= row.memory_gib
+
+
+def test_search_space_covers_every_schedule_and_stage_count():
+    r = recipe.load(FLAGSHIP, [], device="cuda", check_paths=False)
+    req = plan_verb.request(r, keep=["ep=32", "pp=8"])
+    seen = {(lay.schedule, lay.v) for lay in planner.layouts(req)}
+    assert {s for s, _ in seen} == set(schedule.SCHEDULES)
+    assert {v for s, v in seen if s == "Interleaved1F1B"} == {2, 4}  # 63 / layers_per_stage in {4, 2}
+    overlaps = {lay.overlap for lay in planner.layouts(req)}
+    assert overlaps == {"none", "chunked", "dualpipev"}
+    assert all(lay.ac == "none" for lay in planner.layouts(req) if lay.overlap == "dualpipev")
+
+
+def test_shortfall_adds_up_to_the_reference(flagship_plan):
+    _, _, rows = flagship_plan
+    p = rows["nvshmem"][0].prediction
+    lines = planner.shortfall(p)
+    assert sum(cost for _, cost in lines) == pytest.approx(planner.MEGATRON_TFLOPS - p.tflops_per_gpu)
+    names = [name for name, _ in lines]
+    assert "exposed MoE communication" in names and "activation recompute" in names
+
+
+def test_plan_cli(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["plan", "recipes/deepseek_v3_671b_b200.toml", "--keep", "ep=32", "--keep", "pp=8",
+                 "--backend", "nvshmem", "--top", "2", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "on 32 x 8 B200 (256 GPUs); kept: ep=32, pp=8" in out and "predicted" in out
+    assert "nvshmem: 2 best feasible layout(s)" in out and "--moe_comm.backend nvshmem" not in out.split("#")[0]
+    assert "term by term" in out and "exposed MoE communication" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--keep", "epp=32"], "--keep 'epp=32': write KEY=VALUE with KEY one of"),
+    (["--keep", "ep=x"], "--keep 'ep=x': ep takes a whole number"),
+    (["--keep", "ep=3"], "--keep ep=3: EP must divide the 256 GPUs and the 256 experts"),
+    (["--keep", "schedule=GPipe"], "the schedule model covers"),
+    (["--keep", "ac=some"], "ac is one of"),
+    (["--nodes", "1"], "nothing fits on 1 x 8 B200"),
+    (["--keep", "pp=3"], "the kept values exclude every PP degree"),
+    (["--global-tokens", "4M-1M"], "--global-tokens '4M-1M': write MIN-MAX"),
+])
+def test_plan_refusals(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["plan", "recipes/deepseek_v3_671b_b200.toml", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plan error: ") and message in err and err.count("\n") == 1
+
+
+def test_check_names_the_plans_best_layout_when_the_recipe_is_slower(capsys, monkeypatch):
+    """The flagship with nvshmem but its old layout (1F1B, 8 microbatches) is predicted more
+    than 10% slower than the plan's best with EP 32 kept: `check` says so, with the overrides."""
+    monkeypatch.chdir(REPO)
+    old = ["--parallelism.pipeline_parallel_schedule", "1F1B",
+           "--training.local_batch_size", "8", "--moe_comm.overlap", "none",
+           "--parallelism.pipeline_parallel_layers_per_stage", "None"]
+    assert main(["check", "recipes/deepseek_v3_671b_b200.toml", "--skip-files", *old]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("plan "))
+    assert "faster on this cluster with nvshmem, EP 32 and the global batch kept" in line
+    assert "--parallelism.pipeline_parallel_degree 1" in line or "Interleaved" in line
+
+
+def test_check_is_quiet_on_the_flagship_it_planned(capsys, monkeypatch):
+    """The flagship carries the plan's best nvshmem layout with PP 8; the plan's best with its
+    EP and global batch (PP 1) is within 10%: no plan line."""
+    monkeypatch.chdir(REPO)
+    assert main(["check", "recipes/deepseek_v3_671b_b200.toml", "--skip-files"]) == 0
+    out = capsys.readouterr().out
+    assert "\nplan " not in out and "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
+
+
+def test_the_flagship_is_the_plans_best_nvshmem_layout():
+    """recipes/deepseek_v3_671b_b200.toml carries the plan's best nvshmem layout with EP 32 and
+    PP 8 kept, in the global batch range it was planned in (its header says how). When the
+    model's constants change, re-plan the recipe and regenerate results/scale_model.md."""
+    r = recipe.load(FLAGSHIP, [], device="cuda", check_paths=False)
+    req = plan_verb.request(r, backends=["nvshmem"], keep=["ep=32", "pp=8"], global_tokens="1M-4M")
+    best = planner.plan(req, calibration.calibrate(), top=1)["nvshmem"][0]
+    assert best.overrides == ["--moe_comm.backend", "nvshmem"], best.overrides
