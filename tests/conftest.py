@@ -1,29 +1,58 @@
 """Shared CPU training runs for the whole suite.
 
 A torchrun start costs 15-30 s on a 2-core machine (imports, model set-up, gloo, TorchTitan's
-2 s sleep at the end) before its first step, so a run that several test files look at is made
-once per session here, and a test that needs a run of its own says why in its docstring.
+2 s sleep at the end) before its first step, and a run leaves a core idle for seconds (the
+launcher's checks, that sleep). So the runs that test files read are listed once, in
+SHARED_RUNS, and made in the background from the start of the session, two at a time, while
+the tests that need none run; a test that needs a run of its own says why in its docstring.
 
 - `train(dump, *overrides)`: `python -m moe_comm train recipes/debug_cpu.toml` into `dump`, as
   a user runs it from the repository root; the result has `.console` (stdout + stderr without
   colour codes) and `.dump`.
-- `train_each({name: (dump, overrides)})`: several `train` runs, two at a time.
-- `shared_runs[name]`: the runs of SHARED_RUNS, made once per session (two at a time);
-  `default_run` is shared_runs["default"], the README's main job exactly as a user runs it (5
-  steps, EP 2 over gloo, W&B offline, output to a pipe). Read them, never train into their
-  folders again: copy one first (`shutil.copytree(run.dump, ...)`) to resume or extend it.
+- `shared_run(name)` (a fixture returning a function): the finished run `name` of SHARED_RUNS,
+  waiting for it if it is still training. `default_run` is shared_run("default"), the README's
+  main job exactly as a user runs it. Read them, never train into their folders again: copy one
+  first (`shutil.copytree(run.dump, ...)`) to resume or extend it.
+A session that collects no test using them starts none of them.
 """
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/debug_cpu.toml"
+NO_WANDB = ("--metrics.no-enable_wandb",)
+TITAN = ("--model.name", "deepseek_v3_titan")
+# bf16 matmuls are ~4x slower than fp32 on this CPU: a shorter run (seq 128, 2 steps with one
+# optimizer update in between) keeps each to about a minute.
+BF16 = ("--training.mixed_precision_param", "bfloat16", "--training.seq_len", "128", "--training.steps", "2")
+
+# {name: overrides of `train`}, in the order the suite first reads them (that is the order they
+# start in). Add a run here, or better reuse one, for a new CPU test.
+SHARED_RUNS = {
+    # the README's main job as a user runs it (5 steps, EP 2, W&B offline): test_console,
+    # test_wandb_e2e, test_train_equality
+    "default": (),
+    # pipeline parallelism: 4 ranks, PP 2 x FSDP 2, EP 2 in each stage, every rank's output
+    "pp2": ("--nproc-per-node", "4", "--log-rank", "all", "--parallelism.pipeline_parallel_degree", "2",
+            "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", *NO_WANDB),
+    # test_train_equality: TorchTitan's own path and EP 1 against the default run's first 3
+    # steps (a 3-step and a 5-step run see the same learning rates up to step 3), and the bf16 pair
+    "titan_ep2": (*NO_WANDB, *TITAN, "--training.steps", "3"),
+    "ours_ep1": (*NO_WANDB, "--parallelism.expert_parallel_degree", "1", "--training.steps", "3"),
+    "ours_ep2_bf16": (*NO_WANDB, *BF16),
+    "titan_ep2_bf16": (*NO_WANDB, *TITAN, *BF16),
+    # 4 steps with a checkpoint every 2: test_train_lifecycle copies it to resume, extend or break it
+    "checkpointed": (*NO_WANDB, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4"),
+}
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -46,41 +75,50 @@ def train(dump: Path, *overrides: str, env: dict[str, str] | None = None, timeou
     return proc
 
 
-def train_each(runs: dict[str, tuple[Path, tuple[str, ...]]], at_once: int = 2) -> dict[str, subprocess.CompletedProcess]:
-    """`train` for each {name: (dump, overrides)}, `at_once` of them side by side: a run leaves
-    a core idle for seconds (the launcher's checks, TorchTitan's 2 s sleep at the end), which
-    the other one uses."""
-    from concurrent.futures import ThreadPoolExecutor
+class _SharedRuns:
+    """SHARED_RUNS training in the background, two at a time, into one temporary folder."""
 
-    with ThreadPoolExecutor(max_workers=at_once) as pool:
-        futures = {name: pool.submit(train, dump, *overrides) for name, (dump, overrides) in runs.items()}
-        return {name: future.result() for name, future in futures.items()}
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="moe_comm-shared-runs-"))
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shared-run")
+        self.futures: dict[str, Future] = {
+            name: self.pool.submit(train, self.folder / name, *overrides) for name, overrides in SHARED_RUNS.items()
+        }
 
-
-# The runs several test files read, started two at a time the first time any of them is asked
-# for: {name: overrides of `train`}. Add a run here, or better reuse one, for a new CPU test.
-SHARED_RUNS = {
-    # the README's main job as a user runs it (5 steps, EP 2, W&B offline)
-    "default": (),
-    # pipeline parallelism: 4 ranks, PP 2 x FSDP 2, EP 2 in each stage, every rank's output
-    "pp2": ("--nproc-per-node", "4", "--log-rank", "all", "--parallelism.pipeline_parallel_degree", "2",
-            "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", "--metrics.no-enable-wandb"),
-    # 4 steps with a checkpoint every 2: copy it to resume, extend or break it
-    "checkpointed": ("--metrics.no-enable_wandb", "--checkpoint.enable", "--checkpoint.interval", "2",
-                     "--training.steps", "4"),
-}
-
-
-@pytest.fixture(scope="session")
-def shared_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    tmp = tmp_path_factory.mktemp("shared_runs")
-    procs = train_each({name: (tmp / name, overrides) for name, overrides in SHARED_RUNS.items()})
-    for name, proc in procs.items():
+    def get(self, name: str) -> subprocess.CompletedProcess:
+        proc = self.futures[name].result()
         assert proc.returncode == 0, f"shared run {name!r} failed:\n{proc.console[-6000:]}"
-    return procs
+        return proc
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_shared: _SharedRuns | None = None
+
+
+def pytest_collection_finish(session):
+    """Start SHARED_RUNS as soon as the tests are known, if any of them reads one."""
+    global _shared
+    if any("shared_run" in getattr(item, "fixturenames", ()) for item in session.items):
+        _shared = _SharedRuns()
+
+
+def pytest_sessionfinish(session):
+    if _shared is not None:
+        _shared.close()
 
 
 @pytest.fixture(scope="session")
-def default_run(shared_runs) -> subprocess.CompletedProcess:
+def shared_run():
+    global _shared
+    if _shared is None:  # collected without the hook's knowledge (e.g. a plugin filtered late)
+        _shared = _SharedRuns()
+    return _shared.get
+
+
+@pytest.fixture(scope="session")
+def default_run(shared_run) -> subprocess.CompletedProcess:
     """`python -m moe_comm train recipes/debug_cpu.toml` (the README's main job), W&B offline."""
-    return shared_runs["default"]
+    return shared_run("default")

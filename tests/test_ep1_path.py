@@ -22,10 +22,13 @@ from moe_comm.config import MoEComm
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    if not dist.is_initialized():  # a file store: no port to collide with other test sessions
+    made = not dist.is_initialized()
+    if made:  # a file store: no port to collide with other test sessions
         store = tmp_path_factory.mktemp("store") / "pg"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield dist.group.WORLD
+    if made:  # later modules make their own (a default group left behind fails their init)
+        dist.destroy_process_group()
 
 
 def _moe_pair(dtype):

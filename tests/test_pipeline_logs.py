@@ -29,10 +29,10 @@ def test_the_loss_lives_on_the_last_stage_or_rank_0_for_v_schedules():
 
 
 @pytest.fixture(scope="module")
-def pp_run(shared_runs):
+def pp_run(shared_run):
     """conftest's "pp2" run: `train recipes/debug_cpu.toml --nproc-per-node 4 --log-rank all
     --parallelism.pipeline_parallel_degree 2`, 2 steps."""
-    proc = shared_runs["pp2"]
+    proc = shared_run("pp2")
     return proc, proc.dump
 
 

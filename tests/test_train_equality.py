@@ -17,21 +17,18 @@ TorchTitan's all-reduced loss, written with a round-trip repr).
   need rtol ~1e-3.
 
 The EP 2 fp32 run of ours is the README's main job itself (conftest's `default_run`, 5 steps,
-of which the first 3 are compared); the others are made here, one torchrun each.
+of which the first 3 are compared); the others are conftest's SHARED_RUNS too, so they train in
+the background from the start of the session.
 """
 
 import json
 
 import pytest
 
-from conftest import train_each
 from moe_comm.metrics import keys
 
-# bf16 matmuls are ~4x slower than fp32 on this CPU: a shorter run (seq 128, 2 steps with one
-# optimizer update in between) keeps the pair to about a minute each.
-BF16 = ("--training.mixed_precision_param", "bfloat16", "--training.seq_len", "128", "--training.steps", "2")
-TITAN = ("--model.name", "deepseek_v3_titan")
-STEPS = 3
+STEPS = 3  # of the default run's 5, compared with the 3-step runs (conftest.SHARED_RUNS)
+RUNS = ("titan_ep2", "ours_ep1", "ours_ep2_bf16", "titan_ep2_bf16")
 
 
 def _losses(dump) -> list[float]:
@@ -41,21 +38,8 @@ def _losses(dump) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def runs(default_run, tmp_path_factory) -> dict[str, list[float]]:
-    tmp = tmp_path_factory.mktemp("equality")
-    no_wandb = ("--metrics.no-enable_wandb",)
-    # Steps 1-3 of a 3-step and of a 5-step run see the same learning rates (warmup 2, then the
-    # first decay step is step 3's update): their losses are the default run's first three.
-    three = ("--training.steps", str(STEPS))
-    procs = train_each({
-        "titan_ep2": (tmp / "titan_ep2", (*no_wandb, *TITAN, *three)),
-        "ours_ep1": (tmp / "ours_ep1", (*no_wandb, "--parallelism.expert_parallel_degree", "1", *three)),
-        "ours_ep2_bf16": (tmp / "ours_ep2_bf16", (*no_wandb, *BF16)),
-        "titan_ep2_bf16": (tmp / "titan_ep2_bf16", (*no_wandb, *TITAN, *BF16)),
-    })
-    for name, proc in procs.items():
-        assert proc.returncode == 0, f"{name} failed:\n{proc.console[-6000:]}"
-    return {"ours_ep2": _losses(default_run.dump)[:STEPS], **{name: _losses(p.dump) for name, p in procs.items()}}
+def runs(default_run, shared_run) -> dict[str, list[float]]:
+    return {"ours_ep2": _losses(default_run.dump)[:STEPS], **{name: _losses(shared_run(name).dump) for name in RUNS}}
 
 
 def test_nccl_backend_matches_torchtitan_bitwise(runs):

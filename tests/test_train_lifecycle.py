@@ -121,9 +121,9 @@ def _copy(run: Path, tmp_path_factory, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def finished(shared_runs, tmp_path_factory) -> Path:
+def finished(shared_run, tmp_path_factory) -> Path:
     """A copy of conftest's "checkpointed" run (4 steps, a checkpoint every 2)."""
-    return _copy(shared_runs["checkpointed"].dump, tmp_path_factory, "finished")
+    return _copy(shared_run("checkpointed").dump, tmp_path_factory, "finished")
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def long_runs(finished, tmp_path_factory):
     a = LongRun(resumed_dump, "--checkpoint.enable", "--checkpoint.interval", "500")
     # A resumed run never reaches TorchTitan's step 1, where it switches to train_timeout_seconds:
     # all its collectives keep init_timeout_seconds.
-    b = LongRun(hung_dump, "--checkpoint.enable", "--checkpoint.interval", "500", "--comm.init_timeout_seconds", "12")
+    b = LongRun(hung_dump, "--checkpoint.enable", "--checkpoint.interval", "500", "--comm.init_timeout_seconds", "20")
     try:
         yield _drive_resumed(a), _drive_hung(b, newest, shard)
     finally:
