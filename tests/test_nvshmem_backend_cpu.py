@@ -88,7 +88,7 @@ def test_rows_move_in_the_compute_dtype_under_autocast():
     dispatch quantises from), with the gradient back in fp32; FSDP's bf16 rows pass unchanged."""
     import torch
 
-    from moe_comm.backends.nvshmem import rows_in_compute_dtype
+    from moe_comm.backends.base import rows_in_compute_dtype
 
     x = torch.randn(4, 256, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -40,6 +40,19 @@ def tokens_per_call(tokens_per_rank: int, overlap: str) -> int:
     return chunk_sizes(tokens_per_rank, OVERLAP_CHUNKS[overlap])[0]
 
 
+def rows_in_compute_dtype(x_TD: torch.Tensor) -> torch.Tensor:
+    """The rows the experts compute on, which a backend moves. Under FSDP's mixed precision a
+    block's input is already bf16; where TorchTitan trains under autocast instead (one GPU, or
+    DDP: no FSDP to cast the block's inputs) the residual stream arrives in fp32 while the grouped
+    GEMM computes in the autocast dtype, so moving fp32 rows would cost twice the bytes for
+    nothing (FP8 dispatch quantises from bf16, DeepEP takes bf16 only). Differentiable: the
+    gradient returns in fp32."""
+    device = x_TD.device.type
+    if x_TD.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return x_TD.to(torch.get_autocast_dtype(device))
+    return x_TD
+
+
 @dataclass(frozen=True)
 class MoELayerSpec:
     """What a backend must know about the MoE layer it serves; fixed for the whole run."""

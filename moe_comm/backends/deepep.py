@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_comm import gpus
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, RunPlan
+from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, rows_in_compute_dtype, RunPlan
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 
@@ -143,6 +143,7 @@ class DeepEPBackend(CommBackend):
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor
     ) -> DispatchResult:
+        x_TD = rows_in_compute_dtype(x_TD)
         self.check_rows(x_TD, "dispatch")
         recv_x_RD, tokens_per_expert_L, state = self._deepep.dispatch_tokens(
             x_TD,

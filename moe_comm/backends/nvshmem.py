@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, RunPlan, tokens_per_call
+from moe_comm.backends.base import (
+    CommBackend, DispatchResult, MoELayerSpec, rows_in_compute_dtype, RunPlan, tokens_per_call,
+)
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 from moe_comm.kernels import capacity
@@ -31,18 +33,6 @@ class NvshmemHandle:
 
     topk_w_TK: torch.Tensor
     tensors: tuple  # rank_pos, send_idx, rail_counts, net_route, recv_info, slot_rows, slot_w, slot_origin
-
-
-def rows_in_compute_dtype(x_TD: torch.Tensor) -> torch.Tensor:
-    """The rows the experts compute on. Under FSDP's mixed precision a block's input is already
-    bf16; where TorchTitan trains under autocast instead (one GPU, or DDP: no FSDP to cast the
-    block's inputs) the residual stream arrives in fp32 while the grouped GEMM computes in the
-    autocast dtype, so moving fp32 rows would cost twice the bytes for nothing (and FP8 dispatch
-    quantises from bf16). Differentiable: the gradient returns in fp32."""
-    device = x_TD.device.type
-    if x_TD.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        return x_TD.to(torch.get_autocast_dtype(device))
-    return x_TD
 
 
 def token_group_alignment() -> int:
