@@ -122,3 +122,19 @@ def shared_run():
 def default_run(shared_run) -> subprocess.CompletedProcess:
     """`python -m moe_comm train recipes/debug_cpu.toml` (the README's main job), W&B offline."""
     return shared_run("default")
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A one-rank gloo group for in-process backend tests (a file store: no port to collide with
+    other test sessions), destroyed after the module: a default group left behind fails the next
+    module's own init."""
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
+    if made:
+        store = tmp_path_factory.mktemp("store") / "pg"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    if made:
+        dist.destroy_process_group()

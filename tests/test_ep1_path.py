@@ -12,23 +12,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import moe_comm.titan  # noqa: F401  the CPU adaptations (histc on ids, the CPU permute)
 from moe_comm.backends import build_backend
 from moe_comm.backends.base import MoELayerSpec
 from moe_comm.config import MoEComm
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    made = not dist.is_initialized()
-    if made:  # a file store: no port to collide with other test sessions
-        store = tmp_path_factory.mktemp("store") / "pg"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if made:  # later modules make their own (a default group left behind fails their init)
-        dist.destroy_process_group()
 
 
 def _moe_pair(dtype):

@@ -3,7 +3,6 @@ error words read from csrc's headers, and building it where it cannot run (its r
 themselves: tests/test_backend_checks.py)."""
 
 import pytest
-import torch.distributed as dist
 
 from moe_comm.backends import build_backend
 from moe_comm.backends.base import MoELayerSpec
@@ -12,17 +11,6 @@ from moe_comm.kernels import capacity
 from moe_comm.kernels.errors import KernelErrors, PHASES
 from moe_comm.kernels.limits import LIMITS
 from moe_comm.errors import RecipeError
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    made = not dist.is_initialized()
-    if made:  # a file store: no port to collide with other test sessions
-        store = tmp_path_factory.mktemp("store") / "pg"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if made:  # later modules make their own (a default group left behind fails their init)
-        dist.destroy_process_group()
 
 
 def test_expert_rows_worst_case_and_factor():
