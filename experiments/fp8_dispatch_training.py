@@ -364,10 +364,7 @@ def write_outputs(args: argparse.Namespace, results: list[mfu_sweep.RunResult], 
 # ---- main -------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    overrides: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
+    argv, overrides = mfu_sweep.split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", help="the recipe both runs train (e.g. recipes/deepseek_v3_671b_h200x1.toml)")
     p.add_argument("--backend", default="nvshmem", help="[moe_comm] backend of every run")

@@ -304,11 +304,16 @@ def write_report(args, results, ok_dirs, failed, plots_dir: Path, commands: list
         f.write("\n".join(extra) + "\n")
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(this script's arguments, the TorchTitan overrides for every run: what follows `--`)."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    overrides: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
+    argv, overrides = split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", help="recipe for a backends x batch x seq sweep")
     p.add_argument("--backends", nargs="+", default=["nccl", "nvshmem", "deepep"])
