@@ -29,7 +29,7 @@ Before torchrun starts, on every node:
     full checkpoint unless the recipe sets [checkpoint] last_save_model_only itself, so the next
     run in the folder can always resume. A checkpoint already at [training] steps means nothing
     to do (said, exit 0, no torchrun); resuming under another learning-rate schedule than the
-    checkpoint's is a warning (moe_comm.schedule).
+    checkpoint's is a warning (moe_comm.lr_schedule).
 While it runs, SIGTERM (Slurm's preemption and time limit), SIGINT (Ctrl-C) and SIGHUP are
 passed to torchrun, which stops every rank; ranks also die if torchrun is killed outright.
 After a failure, a rank that stopped answering (moe_comm.heartbeat) is named.
@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_comm import checkpoints, claim, heartbeat, recipe, schedule
+from moe_comm import checkpoints, claim, heartbeat, lr_schedule, recipe
 from moe_comm.metrics import naming
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -223,11 +223,11 @@ def _launch(args: argparse.Namespace, r: recipe.Recipe, held: "claim.Claim | Non
               file=sys.stderr, flush=True)
         return 0
     if resume.step:
-        warning = schedule.changed(dump, r.config, resume.step)
+        warning = lr_schedule.changed(dump, r.config, resume.step)
         if warning:
             print(f"moe_comm: warning: {warning}", file=sys.stderr, flush=True)
     if r.config.checkpoint.enable and not args.dry_run:
-        schedule.record(dump, r.config)
+        lr_schedule.record(dump, r.config)
 
     env = dict(os.environ)
     if r.layout.procs_per_node > 1:  # what torchrun sets anyway, without its 4-line banner
