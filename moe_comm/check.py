@@ -53,7 +53,6 @@ def report(r: recipe.Recipe) -> str:
     args = recipe.flavor_args(c)
     params = estimate.count_params(args)
     t = c.training
-    G = estimate.GiB
     try:
         mem = estimate.memory_per_gpu(
             args, lay, t.local_batch_size, t.seq_len, c.activation_checkpoint.mode,

@@ -248,9 +248,9 @@ class NvshmemRuntime:
             return False, (f"EP rank(s) {missing} did not reach the end within wait_timeout_s = "
                            f"{self.request.wait_timeout_s:g} s (dead, hung or still busy)")
         decided = board.gather("teardown-together", TEARDOWN_DECISION_TIMEOUT_S)
-        if len(decided) < self.world or any(v != "yes" for v in decided.values()):
-            late = sorted(set(range(self.world)) - set(decided))
-            return False, f"EP rank(s) {late or sorted(r for r, v in decided.items() if v != 'yes')} did not agree"
+        disagree = sorted(r for r in range(self.world) if decided.get(r) != "yes")  # "no", or not heard
+        if disagree:
+            return False, f"EP rank(s) {disagree} did not agree"
         return True, ""
 
     @staticmethod
