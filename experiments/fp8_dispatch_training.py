@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from experiments import mfu_sweep  # noqa: E402
 from moe_comm import plots, report  # noqa: E402
+from moe_comm.backends.base import OVERLAP_CHUNKS  # noqa: E402
 from moe_comm.metrics import keys  # noqa: E402
 
 NAME = "fp8_dispatch_training"
@@ -65,17 +66,23 @@ class SetupError(Exception):
 # ---- plan -------------------------------------------------------------------------------------
 
 def plan(args: argparse.Namespace) -> list[mfu_sweep.RunSpec]:
-    """One run per --runs entry (BACKEND:DTYPE; default --backend with each --dtypes entry); an
-    entry given again is a repeat, tagged so its folder differs."""
+    """One run per --runs entry (BACKEND:DTYPE[:OVERLAP]; default --backend with each --dtypes
+    entry); an entry given again is a repeat, tagged so its folder differs. OVERLAP sets
+    `[moe_comm] overlap` for that run alone, so one invocation compares the chunked overlap's
+    curve with the plain one's (the recipe's own overlap where it is left out)."""
     entries = args.runs or [f"{args.backend}:{dtype}" for dtype in args.dtypes]
     specs, seen = [], {}
     for entry in entries:
-        backend, _, dtype = entry.partition(":")
-        if not backend or dtype not in ("bf16", "fp8"):
-            raise SetupError(f"--runs {entry!r}: write BACKEND:DTYPE, e.g. nvshmem:fp8 or nccl:bf16")
+        backend, dtype, *rest = entry.split(":")
+        overlap = rest[0] if rest else None
+        if not backend or dtype not in ("bf16", "fp8") or len(rest) > 1 or overlap not in (None, *OVERLAP_CHUNKS):
+            raise SetupError(f"--runs {entry!r}: write BACKEND:DTYPE or BACKEND:DTYPE:OVERLAP, e.g. nvshmem:fp8, "
+                             f"nccl:bf16 or nvshmem:bf16:chunked (OVERLAP one of {', '.join(OVERLAP_CHUNKS)})")
         seen[entry] = seen.get(entry, 0) + 1
-        tag = f"repeat{seen[entry]}" if seen[entry] > 1 else ""
-        specs.append(mfu_sweep.RunSpec(args.recipe, backend, args.batch, args.seq, dispatch_dtype=dtype, tag=tag))
+        tags = ([f"overlap{overlap}"] if overlap else []) + ([f"repeat{seen[entry]}"] if seen[entry] > 1 else [])
+        specs.append(mfu_sweep.RunSpec(args.recipe, backend, args.batch, args.seq, dispatch_dtype=dtype,
+                                       overrides=["--moe_comm.overlap", overlap] if overlap else [],
+                                       tag="-".join(tags)))
     return specs
 
 
@@ -272,6 +279,25 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+VARIED_FIELD_NAMES = {"backend": "`[moe_comm] backend`", "dispatch": "`[moe_comm] dispatch_dtype`",
+                      "overlap": "`[moe_comm] overlap`"}
+
+
+def run_field(spec: mfu_sweep.RunSpec, field_name: str) -> str:
+    """What a run set for one of VARIED_FIELD_NAMES ("recipe's" where it left the recipe's own)."""
+    if field_name == "backend":
+        return spec.backend
+    if field_name == "dispatch":
+        return spec.dispatch_dtype or "recipe's"
+    o = spec.overrides
+    return o[o.index("--moe_comm.overlap") + 1] if "--moe_comm.overlap" in o else "recipe's"
+
+
+def varied_fields(results: list[mfu_sweep.RunResult]) -> list[str]:
+    """The fields the runs differ in, in VARIED_FIELD_NAMES's order."""
+    return [f for f in VARIED_FIELD_NAMES if len({run_field(r.spec, f) for r in results}) > 1]
+
+
 def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Path, commands: list[str],
             plot_path: str | None) -> str:
     """The results section, in the words of results/fp8_dispatch_accuracy.md."""
@@ -283,7 +309,11 @@ def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Pa
     if ok:
         first = report.load_run(out / ok[0].dump_folder / keys.JSONL_NAME)
         device, date = first.hardware, first.date
-    lines = [SECTION_BEGIN, "", "## Training with FP8 dispatch: loss and grad norm against bf16", ""]
+    varied = varied_fields(results)
+    title = ("Training with FP8 dispatch: loss and grad norm against bf16" if varied == ["dispatch"]
+             else f"Training: loss and grad norm, runs differing in {' and '.join(varied) or 'nothing (repeats)'}")
+    extra = [f for f in varied if f != "dispatch"]  # columns beside dispatch
+    lines = [SECTION_BEGIN, "", f"## {title}", ""]
     if "source" in d:  # staged by assets/make_real.py
         data = (f"real English text, `{d['dataset_path']}`: {d['source']}, {d['tokens_staged']:,} tokens staged, "
                 f"{d['passes']:.2f} passes (assets/make_real.py says what and why: c4 is on the Hugging Face "
@@ -293,20 +323,22 @@ def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Pa
         data = f"`{d['dataset_path']}`, tokenizer `{d['tokenizer']}`"
     lines += [
         f"{len(results)} runs of `{results[0].spec.recipe if results else '?'}` on {device} ({date}), "
-        f"identical but for `[moe_comm] dispatch_dtype`: seed {d['seed']}, local batch {d['local_batch_size']} x "
+        f"identical but for {' and '.join(VARIED_FIELD_NAMES[f] for f in varied) or 'nothing'}: seed {d['seed']}, local batch {d['local_batch_size']} x "
         f"seq {d['seq_len']}, {d['tokens_read']:,} tokens read per data-parallel rank per run. Data: {data}.",
         "",
-        f"| run | dispatch | steps | loss, mean of last {last} | vs {ref} | grad norm, mean of last {last} | vs {ref} | largest per-step loss difference |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| run | {''.join(f + ' | ' for f in extra)}dispatch | steps | loss, mean of last {last} | vs {ref} | grad norm, "
+        f"mean of last {last} | vs {ref} | largest per-step loss difference |",
+        "| --- | " + "--- | " * len(extra) + "--- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         info = runs[r.spec.name]
+        cells = "".join(f"{run_field(r.spec, f)} | " for f in extra)
         if r.status != "ok":
-            lines.append(f"| {r.spec.name} | {r.spec.dispatch_dtype} | failed: {r.error} | | | | | |")
+            lines.append(f"| {r.spec.name} | {cells}{r.spec.dispatch_dtype} | failed: {r.error} | | | | | |")
             continue
         vs = payload["against_reference"].get(r.spec.name)
         lines.append(
-            f"| {r.spec.name} | {r.spec.dispatch_dtype} | {info['steps_logged']} | {_fmt(info['final_loss'], '.4f')} | "
+            f"| {r.spec.name} | {cells}{r.spec.dispatch_dtype} | {info['steps_logged']} | {_fmt(info['final_loss'], '.4f')} | "
             + (f"{_fmt(vs['final_loss_rel_pct'], '+.2f')}% |" if vs else "reference |")
             + f" {_fmt(info['final_grad_norm'], '.3f')} | "
             + (f"{_fmt(vs['final_grad_norm_rel_pct'], '+.1f')}% |" if vs else "reference |")
@@ -322,7 +354,7 @@ def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Pa
     if not payload["against_reference"]:
         lines.append("- No comparison: fewer than two runs finished.")
     if plot_path:
-        lines += ["", f"![loss and grad norm, bf16 against FP8 dispatch]({plot_path})"]
+        lines += ["", f"![loss and grad norm: {title}]({plot_path})"]
     lines += ["", "Made by:", ""] + [f"    {c}" for c in commands] + ["", SECTION_END]
     return "\n".join(lines) + "\n"
 
@@ -370,8 +402,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backend", default="nvshmem", help="[moe_comm] backend of every run")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                    help="dispatch_dtype of each run, the first is the reference; repeat one for a control run")
-    p.add_argument("--runs", nargs="+", metavar="BACKEND:DTYPE",
-                   help="the runs, the first the reference (e.g. nvshmem:bf16 nvshmem:fp8 nccl:bf16); "
+    p.add_argument("--runs", nargs="+", metavar="BACKEND:DTYPE[:OVERLAP]",
+                   help="the runs, the first the reference (e.g. nvshmem:bf16 nvshmem:fp8 nccl:bf16, or "
+                   "nvshmem:bf16:none nvshmem:bf16:chunked); "
                    "default: --backend with each --dtypes entry")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, help="local batch size (default: the recipe's)")
@@ -420,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         results, commands = mfu_sweep.load_previous(args)
         data = saved.get("data") or {}
     else:
-        specs = plan(args)
         try:
+            specs = plan(args)
             data = check_data(args)
         except SetupError as e:
             print(f"[{NAME}] {e}", file=sys.stderr)

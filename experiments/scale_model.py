@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from moe_comm import plan as plan_verb  # noqa: E402
 from moe_comm import recipe  # noqa: E402
-from moe_comm.predict import calibration, estimate, scale_model  # noqa: E402
+from moe_comm.predict import calibration, estimate, layer_compute, scale_model  # noqa: E402
 from moe_comm.predict import plan as planner  # noqa: E402
 from moe_comm.predict.routing_plan import routing_statistics  # noqa: E402
 from moe_comm.predict import validation  # noqa: E402
@@ -147,7 +147,8 @@ def plan_section(cal, lines, data):
               "| --- | --- | --- |"]
     terms = {"memory-bound kernels": ours.terms_ms["memory-bound"] - ours.recompute_ms["memory-bound"],
              "activation recompute": sum(ours.recompute_ms.values()), "exposed MoE communication": ours.terms_ms["moe comm"],
-             "comm SM contention": ours.terms_ms["comm SM contention"], "PP sends": ours.terms_ms["pp p2p"],
+             "comm SM contention": ours.terms_ms["comm SM contention"],
+             "chunked overlap's weight work": ours.terms_ms["chunked weight work"], "PP sends": ours.terms_ms["pp p2p"],
              "pipeline bubble": ours.terms_ms["pp bubble"], "exposed FSDP collectives": ours.terms_ms["fsdp exposed"],
              "optimizer step": ours.terms_ms["optimizer"],
              "parameter and gradient copies (FSDP, PP accumulation)": ours.terms_ms["param copies"],
@@ -161,8 +162,39 @@ def plan_section(cal, lines, data):
               "what each other term costs. The largest are the exposed MoE communication (the chunked overlap hides "
               "the part the experts' compute covers; 4 nodes of 50 GB/s NICs carry more than that) and full AC's "
               "recompute. Megatron also runs on GB200 (2.5 PFLOPS bf16 against the B200's 2.25), with MXFP8 GEMMs, "
-              "fused memory-bound kernels and its own EP overlap. FlexAttention's kernel is SDPA's measured time here "
-              "(flex was not measured; see the anchors).", ""]
+              "fused memory-bound kernels and its own EP overlap. " + attention_reading("flagship"), ""]
+
+
+def _fwd_bwd(case: str, name: str) -> tuple[float, float] | None:
+    p = layer_compute.load().part(case, name)
+    return (p["ms"]["fwd"]["median"], p["ms"]["bwd"]["median"]) if p else None
+
+
+def float8_reading(case: str) -> str:
+    """The compiled float8 rowwise grouped GEMM against bf16, at the case's node-limited rows."""
+    f8, bf = _fwd_bwd(case, "experts.fp8.compiled.node_limited"), _fwd_bwd(case, "experts.bf16.node_limited")
+    if not (f8 and bf):
+        return "not measured: the bf16 x ceiling-ratio rule stands in, leaving out its quantisation casts"
+    return (f"{f8[0]:.2f} / {f8[1]:.2f} ms forward / backward against bf16's {bf[0]:.2f} / {bf[1]:.2f} ms on one H200 at "
+            f"case `{case}`: {sum(f8) / sum(bf):.2f}x bf16's time, its per-row quantisation outside the GEMM")
+
+
+def attention_reading(case: str) -> str:
+    """What the layer bench measured of the attention the 671B flavor runs (FlexAttention) against SDPA."""
+    flex, sdpa = _fwd_bwd(case, "attention.module.flex"), _fwd_bwd(case, "attention.module.sdpa")
+    docs, core = _fwd_bwd(case, "attention.core.flex.docs512"), _fwd_bwd(case, "attention.core.flex")
+    if not (flex and sdpa):
+        return ("FlexAttention, which the 671B flavor runs, was not measured at case "
+                f"`{case}`: SDPA's time stands in (moe_comm.predict.layer_compute).")
+    text = (f"Attention is FlexAttention's measured time, as the 671B flavor runs it (case `{case}`: the MLA module "
+            f"{flex[0]:.2f} ms forward / {flex[1]:.2f} ms backward, against SDPA's {sdpa[0]:.2f} / {sdpa[1]:.2f} ms at "
+            f"the same shape - {(sum(flex) / sum(sdpa) - 1) * 100:+.0f}% forward + backward, most of it FlexAttention's "
+            "backward kernel)")
+    if docs and core:
+        text += (f"; priced at one document per sequence: with documents of 512 tokens its kernel takes "
+                 f"{docs[0]:.2f} / {docs[1]:.2f} ms against {core[0]:.2f} / {core[1]:.2f} ms (the bench's docs512 "
+                 "sensitivity part)")
+    return text + "."
 
 
 def flagship_section(cal, lines, data):
@@ -235,7 +267,7 @@ def flagship_section(cal, lines, data):
 # what each anchor's prediction takes from measurements and what from stated assumptions
 ANCHOR_MEASURED = {
     "standard": "compute: results/h200x1/layer_bench.json case `nebius` (TP 2, 1 x 8192: norms, residuals, router, "
-                "MLA projections, SDPA kernel, shared expert, dense FFN, bf16 grouped GEMM at EP 32 balanced, "
+                "MLA projections, FlexAttention kernel, shared expert, dense FFN, bf16 grouped GEMM at EP 32 balanced, "
                 "embedding, output + loss; fwd, bwd, full-AC recompute); nccl path: per-call host cost and per-row "
                 "permutes (results/h200x2/comm_bench.json, mfu_sweep profiles); NCCL's NVLink rate (NOTES §2); "
                 "idle share (results/h200x2 profile)",
@@ -247,12 +279,13 @@ ANCHOR_MEASURED = {
 }
 ANCHOR_ASSUMED = {
     "standard": "B200 = the H200's share of each datasheet peak (bf16 2,250 / 989 TFLOPS, HBM 8.0 / 4.8 TB/s); "
-                "FlexAttention = SDPA's time (flex not measured); network 43 GB/s per GPU (DeepEP V1 internode on "
-                "CX7, NOTES §4); TP 2 collectives at NCCL's NVLink rate, exposed",
+                "attention at one document per sequence (c4's packed documents do less); network 43 GB/s per GPU "
+                "(DeepEP V1 internode on CX7, NOTES §4); TP 2 collectives at NCCL's NVLink rate, exposed",
     "deepep": "as standard; DeepEP's host sync per forward dispatch = the nccl path's per-call cost (not measured); "
               "DeepEP's network phase at the same 43 GB/s",
     "deepep_mxfp8": "as deepep; compiled MXFP8 grouped GEMM = bf16 x the measured ceiling ratio at the B200's FP8 "
-                    "rate (4.5 PFLOPS, datasheet; not measured anywhere here)",
+                    "rate (4.5 PFLOPS, datasheet; not measured anywhere here, and not the H200's float8 rowwise "
+                    "kernel: moe_comm.predict.layer_compute.MXFP8_ASSUMPTION)",
 }
 
 
@@ -305,8 +338,8 @@ def anchor_section(cal, rows, lines, data):
     dispatches = p.moe_calls_per_step * (2 if w.comm_recomputed else 1)
     lines += ["", f"Compute comes from the layer benchmark for every row ({std[0].compute_source}). "
               f"What the figures say against each other: MXFP8 saves {mx_step['deepep'] - mx_step['deepep_mxfp8']:.1f} s "
-              f"per step measured and {(dep[0].step_ms - mx[0].step_ms) / 1e3:.1f} s predicted - the compute side "
-              "(the grouped GEMM at the 8-bit rate) agrees; DeepEP over the all-to-all is "
+              f"per step measured and {(dep[0].step_ms - mx[0].step_ms) / 1e3:.1f} s predicted (the grouped GEMM at "
+              "the 8-bit rate, MXFP8_ASSUMPTION); DeepEP over the all-to-all is "
               f"{measured_gain:.2f}x measured and {predicted_gain:.2f}x predicted. The model is "
               f"{gap['standard']:.1f} s per step fast on the standard path and {gap['deepep']:.1f} s on DeepEP. A term the "
               f"two share (attention, TP 2's collectives, the idle share) can take at most the standard path's "
@@ -325,16 +358,11 @@ def anchor_section(cal, rows, lines, data):
               "a profile - the wait on DeepEP's CPU-side counts per dispatch; (2) the rate, on two or more nodes: "
               "experiments/bench_comm.py across nodes for deepep and nvshmem at EP 16/32 (bytes per second on the "
               "NIC); its rows join results/scale_model_validation.json.",
-              "- **Attention at seq 8192 (all rows): the benchmark measured SDPA, the 671B flavor runs FlexAttention.** "
-              "Its part did not run (results/h200x1/raw/layer_bench.log: the max-autotune compile ran past the device "
-              "time). The same log's autotune line for FlexAttention's forward at the flagship shape (1 x 4096, 128 "
-              "heads, one document) gives its best kernel 8.47 ms against SDPA's 1.19 ms measured - not a timed part "
-              "(one autotune benchmark, forward only), but if it holds, attention is under-priced several-fold, "
-              "while Nebius's block-causal c4 documents skip most of the causal work. This term is shared, so by the "
-              f"argument above it can explain at most the standard row's {gap['standard']:.1f} s. Settled by "
-              "`python experiments/layer_bench.py run --resume --out results/h200x1/layer_bench.json` with the time "
-              "for the compile (about 90 s more per case, the log says): attention.module.flex, attention.core.flex and "
-              "the docs512 sensitivity part at seq 4096 and 8192.",
+              f"- **Attention at seq 8192 (all rows).** {attention_reading('nebius')} Nebius trains on c4 with "
+              "block-causal masks over packed documents, which skip the pairs across documents: at one document per "
+              "sequence the model prices attention at its most. The term is shared, so by the argument above it can "
+              f"explain at most the standard row's {gap['standard']:.1f} s. Settled by the anchor's document lengths "
+              "(c4's, through TorchTitan's tokenizer at seq 8192), priced with the docs512 part's rule.",
               f"- **TP 2's collectives (all rows): {std[0].terms_ms['tp comm'] / 1e3:.1f} s per step modelled** "
               "(sequence-parallel all-gather and reduce-scatter around attention and the FFNs at NCCL's measured "
               "NVLink rate, exposed). Shared as well; settled on the 2xH200 machine by timing those collectives at the "
@@ -448,6 +476,10 @@ def gaps_section(rows, lines):
         got = [r.error_pct for r in rows if needle in r.id and r.kind == "training"]
         return f"{min(got):+.0f}% to {max(got):+.0f}%" if len(got) > 1 else f"{got[0]:+.0f}%"
 
+    def chunking(backend):  # measured tok/s of the chunked run against the plain one, world 1
+        got = {r.id.rsplit("-", 1)[1]: r.measured for r in rows if f"overlap_training/deepseek_v3_671b_h200x1/{backend}-" in r.id}
+        return f"{(got['chunked'] / got['none'] - 1) * 100:+.1f}%"
+
     lines += ["## Known gaps", "",
               f"- **16B on 2 H200 (held out): nvshmem {err('nvshmem_16b/')} ({err('split_kernels_16b/deepseek_v3_16b_h200x2-nvshmem')} "
               "on the slow lease).** 27 thin layers (dim 2048) with full AC and FlexAttention run host- and "
@@ -461,10 +493,15 @@ def gaps_section(rows, lines):
               f"{err('one_gpu_training')}.** The model is fast by a few percent: parts timed alone leave out some "
               "of what a step runs between them (the copies it does price are sized from kernel names in the "
               "one-GPU step profiles, not fitted).",
-              f"- **float8 on 2 H200 (torch.compile): {err('train/float8/')}.** The compiled float8 grouped GEMM "
-              "was not measured; the bf16 x ceiling-ratio rule leaves out its quantisation casts.",
-              "- **FlexAttention:** not measured (its compile ran past the device time); SDPA's time stands in for "
-              "every 671B-flavor prediction, the flagship's included (see the anchors).",
+              f"- **The chunked overlap at world 1 (one H200, held out): nvshmem {err('overlap_training/deepseek_v3_671b_h200x1/nvshmem-chunked')}, "
+              f"nccl {err('overlap_training/deepseek_v3_671b_h200x1/nccl-chunked')}; without it {err('overlap_training/deepseek_v3_671b_h200x1/nvshmem-none')} and "
+              f"{err('overlap_training/deepseek_v3_671b_h200x1/nccl-none')}.** With no link to hide, chunking measured a loss (tok/s "
+              f"{chunking('nvshmem')} nvshmem, {chunking('nccl')} nccl): the experts run once per chunk, so their weight gradients are added and, under autocast, their "
+              "weights re-cast (the step's `chunked weight work`, moe_comm.predict.estimate.chunked_expert_bytes, "
+              "from run 20's profile). The nccl row's rest: its host waits for split sizes come twice per layer.",
+              f"- **float8 on 2 H200 (torch.compile): {err('train/float8/')}.** The routed experts are the layer "
+              "bench's compiled float8 rowwise grouped GEMM (" + float8_reading("flagship") + ").",
+              "- **FlexAttention:** " + attention_reading("flagship"),
               "- **Inter-node:** no multi-node figure exists yet; the network rate (DeepEP V1's 43 GB/s), the "
               "hierarchical path's fixed cost and the NVLink forward's SM budget are assumptions until the lead's "
               "inter-node kernels and a multi-node run measure them.",

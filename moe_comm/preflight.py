@@ -74,23 +74,18 @@ class Pair:
     dst: int
     gbps: float  # 0 unless the probe arrived
     same_node: bool
-    # "ok"; "no probe" (src's probe never reached dst); "untimed" (it came, but another pair
-    # failed and held the probes back: no rate); "not measured" (dst sent no report)
+    # "ok"; "no probe" (src's probe never reached dst); "not measured" (dst sent no report)
     status: str = "ok"
 
 
 def pairs_from_times(received_ns: list[list[int] | None], bytes_: int, iters: int, ranks_per_node: int) -> list[Pair]:
-    """received_ns[dst][src]: the time dst's step that received from src took (both directions
-    of a step busy); -1 where src's probe never came, so no bandwidth is made up for it; None
-    for a rank that sent no report (its incoming pairs are not measured).
+    """received_ns[dst][src]: the time from dst's kernel start until src's probes all arrived
+    (every pair in flight at once); -1 where they never came, so no bandwidth is made up for
+    it; None for a rank that sent no report (its incoming pairs are not measured).
 
-    A rank sends its next probe of a step only after it received its own previous one, so one
-    probe that never comes holds its receiver's later sends back by the timeout, and theirs in
-    turn: once any pair failed, the pairs that arrived are "untimed" (no rate is made up for
-    them either; the failed pairs are what the report names)."""
+    Pairs are independent (one warp each, every probe sent before any wait): a rank that never
+    answers fails its own pairs only, and every pair that arrived keeps its rate."""
     world = len(received_ns)
-    lost = any(row is not None and any(ns <= 0 for s, ns in enumerate(row) if s != d)
-               for d, row in enumerate(received_ns))
     out = []
     for dst, row in enumerate(received_ns):
         for src in range(world):
@@ -101,8 +96,6 @@ def pairs_from_times(received_ns: list[list[int] | None], bytes_: int, iters: in
                 out.append(Pair(src, dst, 0.0, same, "not measured"))
             elif row[src] <= 0:
                 out.append(Pair(src, dst, 0.0, same, "no probe"))
-            elif lost:
-                out.append(Pair(src, dst, 0.0, same, "untimed"))
             else:
                 out.append(Pair(src, dst, bytes_ * iters / (row[src] * 1e-9) / 1e9, same))
     return out
@@ -134,14 +127,10 @@ def report(env: Environment, pairs: list[Pair], timeout_s: float, min_gbps: floa
         f"GDRCopy={'present' if env.gdrcopy else 'absent'}",
         f"IB devices  {', '.join(env.ib_devices) or 'none found'}"
         + (f"  (NVSHMEM_HCA_LIST={env.hca_list})" if env.hca_list else ""),
-        "rates       one warp's put/signal per pair, every rank sending and receiving at once: for "
-        "comparing pairs, not a link's peak",
+        "rates       one warp's put/signal per pair, every pair at once (the all-to-all's pattern): "
+        "for comparing pairs, not a link's peak",
     ]
     measured = [p for p in pairs if p.status == "ok"]
-    untimed = sum(p.status == "untimed" for p in pairs)
-    if untimed:
-        lines.append(f"untimed     {untimed} pairs arrived, but the failed pairs held their probes back: "
-                     "no rates until the failures are fixed and the preflight runs again")
     for kind, same in (("NVLink (same node)", True), ("network (other nodes)", False)):
         rates = [p.gbps for p in measured if p.same_node == same]
         if rates:

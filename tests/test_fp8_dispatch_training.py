@@ -129,3 +129,18 @@ def test_missing_real_data_says_how_to_build_it(tmp_path, fake_launcher):
     assert proc.returncode == 2
     assert "--dataset-path ./assets/real_not_here: no data there" in proc.stderr
     assert not (tmp_path / "results" / "runs").exists()  # nothing ran
+
+
+def test_an_overlap_entry_sets_the_overlap_of_its_run_alone(tmp_path, fake_launcher):
+    common = ["--recipe", "recipes/debug_cpu.toml", "--dataset-path", "./assets/tiny/c4_tiny",
+              "--tokenizer", "./assets/tiny", "--launcher", fake_launcher, "--dry-run"]
+    proc = _run(tmp_path, *common, "--runs", "nvshmem:bf16:none", "nvshmem:bf16:chunked", "nccl:bf16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 3
+    assert "--moe_comm.overlap none" in lines[0] and "debug_cpu-nvshmem-bf16-overlapnone" in lines[0]
+    assert "--moe_comm.overlap chunked" in lines[1] and "debug_cpu-nvshmem-bf16-overlapchunked" in lines[1]
+    assert "--moe_comm.overlap" not in lines[2]  # the recipe's own
+    bad = _run(tmp_path, *common, "--runs", "nvshmem:bf16:sometimes")
+    assert bad.returncode == 2
+    assert "--runs 'nvshmem:bf16:sometimes'" in bad.stderr and "none, chunked" in bad.stderr

@@ -269,12 +269,12 @@ def test_preflight_names_a_rank_that_never_answers(reports, layout):
         pytest.fail(f"preflight wrote no report (exit {report['exit']}):\n{report['missing']}")
     ranks = layout[0]
     assert report["exit"] == 1 and not report["ok"]
-    assert any(line.startswith("rank 1 never answered") for line in report["failed"]), report["failed"]
+    assert len(report["failed"]) == 1 and report["failed"][0].startswith("rank 1 never answered"), report["failed"]
     pairs = report["pairs"]
     assert len(pairs) == ranks * (ranks - 1)
     assert all(p["status"] == "no probe" for p in pairs if p["src"] == 1)
-    # every other pair arrived; none gets a rate, since the missing probes held the others back
-    assert all(p["status"] == "untimed" for p in pairs if p["src"] != 1), pairs
+    # every other pair arrived and kept its rate: pairs are independent of the silent rank
+    assert all(p["status"] == "ok" and p["gbps"] > 0 for p in pairs if p["src"] != 1), pairs
     assert len(report["done_at"]) == ranks  # every rank reported, the silent one too
     late = report["ended_at"] - max(report["done_at"].values())
     assert late <= EXIT_BOUND_S, f"the last process ended {late:.1f} s after the probes (bound {EXIT_BOUND_S} s)"

@@ -276,7 +276,7 @@ def test_calibration_lists_every_constant_with_a_source(validated):
     names = [a.name for a in cal.assumptions]
     assert len(names) == len(set(names))
     assert all(a.source for a in cal.assumptions)
-    for needle in ("layer parts measured", "float8 rowwise GEMMs", "MXFP8", "link efficiency", "per-kernel floor",
+    for needle in ("layer parts measured", "float8 rowwise linear GEMMs", "MXFP8", "link efficiency", "per-kernel floor",
                    "nccl path", "another GPU reaches"):
         assert any(needle in n for n in names), needle
 

@@ -1,10 +1,16 @@
 // Preflight: before a large job spends its queue time, every rank puts a probe to every other
-// rank with NVSHMEM's put/signal API (the network hop's own calls) and times it. Step d pairs
-// rank r with r + d (sending) and r - d (receiving), so all pairs are exercised in W - 1 steps
-// with every rank busy in both directions; the receiver reports the step as the pair
-// (r - d -> r). Waits are bounded like every other wait, each step with its own give-up word: a
-// peer that never answers costs one timeout on each rank it should have reached, its pairs
-// report no time, and every other pair is still measured.
+// rank with NVSHMEM's put/signal API (the network hop's own calls) and times it. One warp per
+// pair: warp d of rank r sends its probes to r + d, quiets, then waits for the probes of
+// r - d, all pairs at once (the all-to-all's own pattern), and reports the time until they
+// arrived as the pair (r - d -> r).
+//
+// Pairs are independent on purpose. An earlier ring (step d waiting on r - d before step d + 1
+// sent) let one silent rank hold back the probes its waiting peers owed their own receivers,
+// which then blamed healthy ranks (measured on one H200 under MPS). Now every probe is sent
+// before any wait, each pair's wait has its own give-up word and ends one wait_timeout_s after
+// the kernel's start: a peer that never answers costs each rank one timeout, and only its own
+// pairs fail. A signal counts probes (NVSHMEM_SIGNAL_ADD), since two puts' signals may land in
+// either order.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -16,34 +22,37 @@
 
 namespace moe_comm {
 
+constexpr int kPreflightWarpsPerBlock = 8;  // pairs one block probes
+
 __global__ void preflight_kernel(const Buffers* __restrict__ buffers, const PreflightArgs a) {
+  const int64_t start = global_time_ns();
   const Buffers& b = *buffers;
   const int W = b.topo.world, me = b.topo.rank;
-  for (int d = 1; d < W; ++d) {
-    const int to = (me + d) % W, from = (me - d + W) % W;
-    WaitContext step = b.wait;
-    step.abort = a.step_abort + d;
-    const int64_t start = global_time_ns();
-    bool answered = true;
+  const int d = blockIdx.x * kPreflightWarpsPerBlock + threadIdx.x / 32 + 1;
+  if (d >= W) return;
+  const int to = (me + d) % W, from = (me - d + W) % W;
+  if (a.send_probes) {  // every probe goes out before any wait: `to` is owed all of them
     for (int it = 0; it < a.iters; ++it) {
-      const uint32_t tag = a.base_tag + it + 1;
-      // Every probe goes out even once `from` has failed this rank: `to` is owed all of them.
-      if (a.send_probes) {
-        nvshmemx_putmem_signal_nbi_warp(a.recv, a.send, a.bytes, a.sig + d, tag, NVSHMEM_SIGNAL_SET, to);
-      }
-      // `from` waits only on its own sender, so it may already have sent its next probe.
-      if (answered) {
-        answered = wait_at_least<uint64_t>(a.sig + d, tag, step, kKernelPreflight, kPhaseNetworkRows, from);
-      }
+      nvshmemx_putmem_signal_nbi_warp(a.recv, a.send, a.bytes, a.sig + d, 1, NVSHMEM_SIGNAL_ADD, to);
     }
     __syncwarp();
     nvshmem_quiet();
-    if (threadIdx.x == 0) a.received_ns[from] = answered ? global_time_ns() - start : -1;  // -1: no time to report
   }
+  WaitContext pair = b.wait;
+  pair.abort = a.pair_abort + d;
+  const int64_t left_ns = start + b.wait.timeout_ns - global_time_ns();
+  pair.timeout_ns = left_ns > 0 ? left_ns : 0;  // past the bound: probes already here still count
+  const uint64_t all_probes = (uint64_t)a.probes_before + (uint64_t)a.iters;
+  const bool answered =
+      wait_at_least<uint64_t>(a.sig + d, all_probes, pair, kKernelPreflight, kPhaseNetworkRows, from);
+  if (threadIdx.x % 32 == 0) a.received_ns[from] = answered ? global_time_ns() - start : -1;  // -1: no time
 }
 
 void launch_preflight(const Buffers& b, const PreflightArgs& a, cudaStream_t stream) {
-  preflight_kernel<<<1, 32, 0, stream>>>(b.on_device, a);
+  const int pairs = b.topo.world - 1;
+  if (pairs < 1) return;
+  const int blocks = (pairs + kPreflightWarpsPerBlock - 1) / kPreflightWarpsPerBlock;
+  preflight_kernel<<<blocks, kPreflightWarpsPerBlock * 32, 0, stream>>>(b.on_device, a);
   MOE_COMM_CHECK_LAUNCH("preflight");
 }
 

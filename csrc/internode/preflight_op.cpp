@@ -19,7 +19,7 @@ struct Probe {
   void* recv = nullptr;
   uint64_t* sig = nullptr;
   size_t bytes = 0;
-  uint32_t calls = 0;
+  uint32_t probes = 0;  // each pair's signal count after this process's earlier preflights
 };
 Probe g_probe;
 
@@ -39,12 +39,12 @@ at::Tensor preflight_op(int64_t bytes, int64_t iters, bool send_probes) {
   }
   const auto on_gpu = [](at::ScalarType t) { return at::TensorOptions().dtype(t).device(at::kCUDA); };
   at::Tensor received = at::zeros({b.topo.world}, on_gpu(at::kLong));
-  at::Tensor step_abort = at::zeros({b.topo.world}, on_gpu(at::kInt));
+  at::Tensor pair_abort = at::zeros({b.topo.world}, on_gpu(at::kInt));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   PreflightArgs a{g_probe.send, g_probe.recv, g_probe.sig, g_probe.bytes, (int)iters,
-                  g_probe.calls * (uint32_t)iters, send_probes, step_abort.data_ptr<int32_t>(),
+                  g_probe.probes, send_probes, pair_abort.data_ptr<int32_t>(),
                   received.data_ptr<int64_t>()};
-  ++g_probe.calls;
+  g_probe.probes += (uint32_t)iters;
   launch_preflight(b, a, stream);
   return received.cpu();  // synchronises
 }

@@ -385,6 +385,23 @@ def param_copy_bytes(a, layout: Layout, rank: PipelineRank | None, microbatches:
     return 0.0
 
 
+def chunked_expert_bytes(a, layout: Layout) -> tuple[float, float]:
+    """(forward, backward) bytes the chunked overlap adds per MoE layer and microbatch. Each
+    chunk runs the rank's routed experts with the same weights (TokenLevelExperts.forward_chunks),
+    so autograd adds the second chunk's weight gradient to the first's: read two, write one, in
+    the gradient's dtype - bf16 under fully_shard's mixed precision, fp32 otherwise. Under
+    autocast (one GPU) each call also casts the fp32 weights to bf16 again (read 4 + write 2 B)
+    and its gradient back (6 B). Measured on one H200 (results/h200x1/README.md, run 20, the
+    one-GPU recipe's profiled step, chunked against none): +21 ms of fp32 adds, casts and copies
+    over its 2 MoE layers of 32 experts; these bytes take 20 ms at the model's HBM rate."""
+    local = a.moe_args.num_experts / layout.ep * 3 * a.dim * a.moe_inter_dim
+    if fsdp_applied(layout):
+        return 0.0, local * 3 * 2
+    if autocast(layout):
+        return local * 6, local * (3 * 4 + 6)
+    return 0.0, local * 3 * 4
+
+
 def optimizer_bytes(params: float) -> float:
     """Per sharded parameter: fused AdamW reads param, grad and two moments and writes three
     (28 B), the gradient-norm clip reads the gradients for the norm (4 B) and scales them in place

@@ -19,20 +19,21 @@ How a measured part becomes a predicted time (each rule is listed in `assumption
     attention kernel, HBM TB/s for memory-bound parts - that is, the other GPU is assumed to
     reach the same share of its peak;
   * float8 and MXFP8 GEMMs: every recipe that converts them compiles the model (torchao's
-    converters need it for speed). Where the benchmark has the compiled float8 grouped GEMM it
-    is used; otherwise the bf16 part's time x the measured bf16 / fp8 rowwise GEMM ceiling ratio
-    (torch.mm against torch._scaled_mm, same run): the compiled kernel is assumed to gain what
-    the dense GEMM gains. The eager float8 grouped GEMM is measured (slower than bf16: its
-    quantisation is not fused) and never used. MXFP8 (B200 only) runs at the B200's FP8 rate
-    (MXFP8_ASSUMPTION), so it takes the same rule at the 8-bit peak ratio;
+    converters need it for speed). The float8 rowwise grouped GEMM is the benchmark's compiled
+    one (as TorchTitan's apply_compile runs it); where that was not measured, the bf16 part's
+    time x the measured bf16 / fp8 rowwise GEMM ceiling ratio (torch.mm against
+    torch._scaled_mm, same run). The eager float8 grouped GEMM is measured (slower still: its
+    quantisation is not fused) and never used. MXFP8 (B200 only) is a different kernel, block
+    scales inside the tensor cores, that no H200 can run: it takes the ceiling-ratio rule at
+    the B200's 8-bit rate (MXFP8_ASSUMPTION);
   * AC: "full" adds each block part's measured recompute (backward under checkpoint less
     backward); "selective" is TorchTitan's op-level SAC, which saves the attention kernel's
     output and every second mm (torchtitan/distributed/activation_checkpoint.py, and
     deepseek_v3's _op_sac_save_list, which has no grouped mm): it re-runs the grouped GEMMs
     and the memory-bound ops, and half the linear GEMMs' forward. The embedding and the output
     projection + loss sit outside the checkpointed blocks;
-  * a part the benchmark did not run (FlexAttention, when its compile ran out of time) takes a
-    stated stand-in (SDPA's time at the same shape), and `RankCompute.notes` says so.
+  * a part the benchmark did not run (FlexAttention, should its compile run out of time) takes
+    a stated stand-in (SDPA's time at the same shape), and `RankCompute.notes` says so.
 A pipeline rank is priced for the layers it holds (moe_comm.predict.estimate.pipeline_ranks),
 with the embedding on the first stage and the output projection + loss on the last.
 """
@@ -75,10 +76,12 @@ TERMS = ("gemm", "attention", "memory-bound")
 LINEAR_GEMMS = ("attention.projections", "shared_expert", "dense_ffn")
 OUTSIDE_BLOCKS = ("embedding", "output_loss")
 MXFP8_ASSUMPTION = Assumption(
-    "B200 runs MXFP8 grouped GEMMs at its FP8 dense peak (the float8 rule at the 8-bit peak ratio)", 4500.0, "TFLOPS",
+    "B200 runs MXFP8 grouped GEMMs at its FP8 dense peak: the bf16 grouped GEMM's time x the measured bf16 / fp8 "
+    "dense GEMM ceiling ratio, at the 8-bit peak ratio", 4500.0, "TFLOPS",
     "NVIDIA HGX B200 datasheet (FP8/FP6 tensor core: one rate, 9 PFLOPS with sparsity, 4.5 dense); MX block "
     "scales are applied in Blackwell's 5th-generation tensor cores (NVIDIA Blackwell architecture technical "
-    "brief); no B200 was measured here")
+    "brief); no B200 was measured here. Not the H200's compiled float8 rowwise grouped GEMM (layer bench "
+    "experts.fp8.compiled.*, slower than bf16 there): its per-row scales are applied outside the tensor cores")
 FP8_GROUPED_NOTE = ("float8 grouped GEMM: the compiled kernel (as the float8 recipes run it) not measured; bf16 time x "
                     "the measured bf16 / fp8 rowwise GEMM ceiling ratio")
 FLEX_NOTE = "attention kernel: {impl} not measured at case {case!r}: SDPA's time stands in, at the same shape"
@@ -270,6 +273,8 @@ def rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: boo
             return {"name": part, "ms": {"fwd": {"median": fwd}, "bwd": {"median": bwd},
                                          "recompute": _ms(mod, "recompute") - _ms(core, "recompute")}}, 1.0
         if part == "experts":
+            if mx:  # not the H200's float8 rowwise kernel: MXFP8_ASSUMPTION
+                return bench.part(name, f"experts.bf16.{routing}"), fp8_gain
             if expert_dtype == "fp8":
                 compiled = bench.part(name, f"experts.fp8.compiled.{routing}")
                 if compiled:
@@ -344,13 +349,17 @@ def assumptions(bench: LayerBench) -> list[Assumption]:
                    "assumption: the part runs at the measured part's efficiency (moe_comm.predict.layer_compute."
                    "part_work)"),
         MXFP8_ASSUMPTION,
-        Assumption("float8 rowwise GEMMs (grouped, until the compiled one is measured, and linear): bf16 time x "
-                   "measured bf16 / fp8 rowwise GEMM ceilings", fp8_gemm_gain(bench), "x",
+        Assumption("float8 rowwise linear GEMMs, MXFP8 grouped GEMMs"
+                   + (", and the float8 grouped GEMM (its compiled part not measured)" if any(
+                       "compiled" in m for m in missing) else "")
+                   + ": bf16 time x measured bf16 / fp8 rowwise GEMM ceilings", fp8_gemm_gain(bench), "x",
                    f"{rel} peaks.measured (torch.mm and torch._scaled_mm, 8192^3, same run); the eager float8 "
                    "grouped GEMM there (unfused quantisation, slower than bf16) is not what the compiled recipes run"),
+    ] + ([
         Assumption("FlexAttention's kernel, where not measured: SDPA's time at the same shape", 1.0, "",
-                   f"assumption: {rel} attention.core.flex not run (its max-autotune compile ran past the device "
-                   "time, results/h200x1/raw/layer_bench.log)"),
+                   f"assumption: {rel} attention.*.flex not run at "
+                   + ", ".join(m for m in missing if "flex" in m)),
+    ] if any("flex" in m for m in missing) else []) + [
         Assumption("selective AC re-runs the grouped GEMMs, the memory-bound ops and every second linear mm", 0.5,
                    "of linear forward", "TorchTitan 0.2.2 op SAC policy (distributed/activation_checkpoint.py; "
                    "deepseek_v3 _op_sac_save_list has no grouped mm)"),

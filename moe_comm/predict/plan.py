@@ -85,7 +85,7 @@ class Row:
         """What holds the row back: the bubble's and the exposed MoE communication's shares of
         the step, and the memory's share of what may be used."""
         t, step = self.prediction.terms_ms, self.prediction.step_ms
-        return {"bubble": t["pp bubble"] / step, "exposed comm": (t["moe comm"] + t["comm SM contention"]) / step,
+        return {"bubble": t["pp bubble"] / step, "exposed comm": (t["moe comm"] + t["comm SM contention"] + t["chunked weight work"]) / step,
                 "memory": self.memory_gib / self.memory_limit_gib}
 
 
@@ -321,6 +321,7 @@ def shortfall(p: scale_model.StepPrediction, reference_tflops: float = MEGATRON_
     parts = [("memory-bound kernels", t["memory-bound"] - redo["memory-bound"]),
              ("activation recompute", sum(redo.values())),
              ("exposed MoE communication", t["moe comm"]), ("comm SM contention", t["comm SM contention"]),
+             ("chunked overlap's weight work", t["chunked weight work"]),
              ("TP communication", t["tp comm"]), ("PP sends", t["pp p2p"]), ("pipeline bubble", t["pp bubble"]),
              ("exposed FSDP collectives", t["fsdp exposed"]), ("optimizer step", t["optimizer"]),
              ("parameter and gradient copies (FSDP, PP accumulation)", t["param copies"]),

@@ -452,6 +452,9 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     pp_rate = _pp_rate_gbps(w, cluster, cal) if lay.pp > 1 else 0.0
 
     notes: list[str] = []  # what the layer benchmark did not measure, and what stood in
+    hbm_rate = cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12  # what the optimizer and copies reach
+    chunk_f, chunk_b = (b / hbm_rate for b in estimate.chunked_expert_bytes(a, lay)) if w.overlap == "chunked" \
+        else (0.0, 0.0)
 
     def per_microbatch(rank) -> dict:
         """Seconds per microbatch on one rank, each as (f, bi, bw)."""
@@ -495,6 +498,8 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
         slow_b = L * (slow["b"] + (slow["f"] if w.comm_recomputed else 0.0))
         terms["moe comm"] = (moe_f, moe_b, 0.0)
         terms["comm SM contention"] = (slow_f, slow_b, 0.0)
+        # the experts once per chunk: the weight gradients added, weights re-cast under autocast
+        terms["chunked weight work"] = (L * chunk_f, 0.0, L * chunk_b)
         # TP (sequence parallel): all-gather + reduce-scatter around attention and the FFN,
         # forward and backward (and recompute), each moving the microbatch's activations once
         tp = 0.0
@@ -519,7 +524,6 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     p = estimate.count_params(a)
     opt_s = optimizer_bytes(p.total / (lay.dp_shard * lay.cp * lay.tp * lay.pp)) / (
         cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12)
-    hbm_rate = cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12  # what the optimizer and copies reach
     copies_s = estimate.param_copy_bytes(a, lay, work["rank"] if lay.pp > 1 else None, m) / hbm_rate
     fsdp_total_ms, fsdp_least_ms = _fsdp_ms(w, cluster, cal, pipe.v)
     compute_ms = sum(sum(terms3[k]) for k in ("gemm", "attention", "memory-bound")) * m * 1e3
