@@ -11,6 +11,11 @@ AdamW moments and gradients (16 bytes per parameter, the bulk of a one-GPU step'
 "671B_layers_1gpu" (an H200, 141 GB): 1 dense + 2 MoE layers of 32 experts, 5.7B parameters;
 each expert then gets 2,048 rows of an 8,192-token batch, about half the 4,096 a flagship rank's
 expert gets at EP 32. "671B_layers_1gpu_80gb" (an 80 GB H100): 1 dense + 1 MoE layer of 16.
+
+"671B_layers_4gpu" (four H200s, recipes/deepseek_v3_671b_layers_h200x4.toml): 1 dense + 5 MoE
+layers of 32 experts, so that at EP 4 a rank holds 8 routed experts per layer, as a flagship rank
+does at EP 32, and the 6 layers with the embedding and the output make 8 pipeline units: PP 2
+splits them as 2 stages of 4 (1F1B) or 4 of 2 (Interleaved1F1B, 2 per rank).
 """
 
 import dataclasses
@@ -55,6 +60,9 @@ FLAVORS["671B_layers_1gpu"] = dataclasses.replace(
 )
 FLAVORS["671B_layers_1gpu_80gb"] = dataclasses.replace(
     _LAYERS, n_layers=2, moe_args=dataclasses.replace(_LAYERS.moe_args, num_experts=16)
+)
+FLAVORS["671B_layers_4gpu"] = dataclasses.replace(
+    _LAYERS, n_layers=6, moe_args=dataclasses.replace(_LAYERS.moe_args, num_experts=32)
 )
 
 
