@@ -1,6 +1,8 @@
 """FP8 dispatch's effect on training: the same recipe, seed and data trained with
 `[moe_comm] dispatch_dtype = "bf16"` and `"fp8"`; loss and grad-norm curves side by side and the
-final loss compared (issue 25, item 4).
+final loss compared (issue 25, item 4). The same comparison serves any runs that differ in
+backend, dispatch dtype or overlap (`--runs BACKEND:DTYPE[:OVERLAP]`): the chunked overlap
+against none (results/h200x1/overlap_training), the backends at EP 4 (experiments/h200x4_runs.py).
 
 On one H200 (the one-GPU recipe, real text staged by assets/make_real.py):
     python experiments/fp8_dispatch_training.py --recipe recipes/deepseek_v3_671b_h200x1.toml \\
