@@ -13,12 +13,12 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import decoders, models, pre_tokenizers, trainers, Tokenizer
+from make_real import train_tokenizer  # the same byte-level BPE and tokenizer_config.json
+from tokenizers import Tokenizer
 
 OUT = Path(__file__).resolve().parent / "tiny"
 VOCAB_SIZE = 2048
 NUM_DOCS = 600
-BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
 NOUNS = "cat dog bird river tree engine city garden student teacher ship cloud market road door window".split()
 ADJS = "small large quiet bright old young green cold warm busy empty heavy".split()
@@ -48,19 +48,9 @@ def main() -> None:
         for text in docs:
             f.write(json.dumps({"text": text}) + "\n")
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(docs, trainer)
-    tokenizer.save(str(OUT / "tokenizer.json"))
-    with open(OUT / "tokenizer_config.json", "w") as f:
-        json.dump({"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": False}, f, indent=2)
-    print(f"wrote {OUT} (vocab {tokenizer.get_vocab_size()}, {len(docs)} documents)")
+    train_tokenizer(docs, OUT, VOCAB_SIZE)
+    vocab = Tokenizer.from_file(str(OUT / "tokenizer.json")).get_vocab_size()  # what the corpus filled, under VOCAB_SIZE
+    print(f"wrote {OUT} (vocab {vocab}, {len(docs)} documents)")
 
 
 if __name__ == "__main__":
