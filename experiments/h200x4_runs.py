@@ -63,10 +63,10 @@ GROUPS = [
 ]
 
 
-def _run_overrides(group: Group, entry: str) -> list[str]:
-    backend, dtype, *rest = entry.split(":")
-    out = [*group.layout, "--moe_comm.backend", backend, "--moe_comm.dispatch_dtype", dtype]
-    return out + (["--moe_comm.overlap", rest[0]] if rest else [])
+def _shape_overrides(group: Group, entry: str) -> list[str]:
+    """The run's overrides but its backend: the layout, the dispatch dtype and the overlap."""
+    _, dtype, *rest = entry.split(":")
+    return [*group.layout, "--moe_comm.dispatch_dtype", dtype] + (["--moe_comm.overlap", rest[0]] if rest else [])
 
 
 def predict(out: Path) -> dict:
@@ -79,11 +79,11 @@ def predict(out: Path) -> dict:
     rows = []
     for g in GROUPS:
         for entry in g.runs:
-            overrides = _run_overrides(g, entry)
             # the workload does not depend on the backend; loading with deepep here would ask for
             # DeepEP on this machine, so the recipe is read with its own backend and the model
             # prices the run's
-            shape = [o for i, o in enumerate(overrides) if "--moe_comm.backend" not in overrides[max(i - 1, 0):i + 1]]
+            shape = _shape_overrides(g, entry)
+            overrides = shape + ["--moe_comm.backend", entry.split(":")[0]]
             r = recipe.load(RECIPE, shape, device="cuda", check_paths=False)
             w = scale_model.workload_from_recipe(r)
             backend = "nvshmem-fp8" if ":fp8" in entry else entry.split(":")[0]  # the model's name for it

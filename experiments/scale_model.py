@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from moe_comm import plan as plan_verb  # noqa: E402
 from moe_comm import recipe  # noqa: E402
-from moe_comm.predict import calibration, estimate, layer_compute, scale_model  # noqa: E402
+from moe_comm.predict import calibration, estimate, scale_model  # noqa: E402
 from moe_comm.predict import plan as planner  # noqa: E402
 from moe_comm.predict.routing_plan import routing_statistics  # noqa: E402
 from moe_comm.predict import validation  # noqa: E402
@@ -166,7 +166,7 @@ def plan_section(cal, lines, data):
 
 
 def _fwd_bwd(case: str, name: str) -> tuple[float, float] | None:
-    p = layer_compute.load().part(case, name)
+    p = calibration.calibrate().layer_bench.part(case, name)  # the bench the model priced from, loaded once
     return (p["ms"]["fwd"]["median"], p["ms"]["bwd"]["median"]) if p else None
 
 
