@@ -325,7 +325,8 @@ def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Pa
         data = f"`{d['dataset_path']}`, tokenizer `{d['tokenizer']}`"
     lines += [
         f"{len(results)} runs of `{results[0].spec.recipe if results else '?'}` on {device} ({date}), "
-        f"identical but for {' and '.join(VARIED_FIELD_NAMES[f] for f in varied) or 'nothing'}: seed {d['seed']}, local batch {d['local_batch_size']} x "
+        f"identical but for {' and '.join(VARIED_FIELD_NAMES[f] for f in varied) or 'nothing'}: seed {d['seed']}, "
+        f"local batch {d['local_batch_size']} x "
         f"seq {d['seq_len']}, {d['tokens_read']:,} tokens read per data-parallel rank per run. Data: {data}.",
         "",
         f"| run | {''.join(f + ' | ' for f in extra)}dispatch | steps | loss, mean of last {last} | vs {ref} | grad norm, "

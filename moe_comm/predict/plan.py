@@ -85,7 +85,8 @@ class Row:
         """What holds the row back: the bubble's and the exposed MoE communication's shares of
         the step, and the memory's share of what may be used."""
         t, step = self.prediction.terms_ms, self.prediction.step_ms
-        return {"bubble": t["pp bubble"] / step, "exposed comm": (t["moe comm"] + t["comm SM contention"] + t["chunked weight work"]) / step,
+        exposed = t["moe comm"] + t["comm SM contention"] + t["chunked weight work"]
+        return {"bubble": t["pp bubble"] / step, "exposed comm": exposed / step,
                 "memory": self.memory_gib / self.memory_limit_gib}
 
 

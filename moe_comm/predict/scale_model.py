@@ -522,8 +522,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     bw = sum(v[2] for v in terms3.values())
     m = pipe.microbatches if lay.pp > 1 else 1
     p = estimate.count_params(a)
-    opt_s = optimizer_bytes(p.total / (lay.dp_shard * lay.cp * lay.tp * lay.pp)) / (
-        cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12)
+    opt_s = optimizer_bytes(p.total / (lay.dp_shard * lay.cp * lay.tp * lay.pp)) / hbm_rate
     copies_s = estimate.param_copy_bytes(a, lay, work["rank"] if lay.pp > 1 else None, m) / hbm_rate
     fsdp_total_ms, fsdp_least_ms = _fsdp_ms(w, cluster, cal, pipe.v)
     compute_ms = sum(sum(terms3[k]) for k in ("gemm", "attention", "memory-bound")) * m * 1e3
