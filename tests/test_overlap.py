@@ -3,9 +3,12 @@
 - Unit level, one process (a world of one, the nccl backend, TorchTitan's debug model with the
   CPU's fp32 for-loop experts): "chunked" against "none" with activation checkpointing none,
   full, per-op selective and per-layer selective, for an odd token count and for one token (an
-  empty second chunk). The loss and every gradient but the expert weights' are bit for bit
-  equal; the expert weights' gradients are a sum over two chunks instead of one (fp32
-  reordering, measured ~5e-7 relative), bounded at 1e-5.
+  empty second chunk). Equal within fp32 tolerances (CHUNKED_RTOL), not bit for bit: "chunked"
+  runs each expert's GEMMs on one chunk's rows instead of all of them, and a CPU BLAS may pick
+  its kernel and blocking (hence the order of the sums inside a row) by the row count, so on
+  some CPUs a row's result differs in its last bits (2.1e-7 relative was seen in a non-expert
+  gradient on one 2-core machine, 0 on others). The expert weights' gradients are moreover a
+  sum over two chunks instead of one (~5e-7 relative).
 - The stream schedule, with streams that record instead of launching: which op waits for which
   (dispatch(c0) not behind the shared experts, experts(c0) not behind dispatch(c1), combine(c0)
   not behind experts(c1), the sum behind both combines), the record_streams, and the waits
@@ -16,7 +19,9 @@
   each step run once per variant from the same weights (tests/overlap_trainer.py):
   PP 2 x EP 2 with DualPipeV on 4 processes (its EP overlap with two threads, "chunked", and
   neither), and EP 2 with full activation checkpointing on 2. DualPipeV's EP overlap equals the
-  plain schedule bit for bit; "chunked" as at unit level. TorchTitan's per-op selective AC with
+  plain schedule bit for bit (the same ops on the same shapes in the same order, only the two
+  threads' interleaving differs, and CPU ops are synchronous); "chunked" within CHUNKED_RTOL,
+  as at unit level. TorchTitan's per-op selective AC with
   FSDP does not run on CPU with or without overlap ("profiler._record_function_enter_new ...
   not found in storage" in FSDP's post-forward during recompute), so it is checked at unit
   level only.
@@ -52,6 +57,12 @@ from moe_comm.titan import overlap
 from moe_comm.titan.model import MoECommDeepSeekV3Model, TokenLevelExperts, TokenLevelMoE
 
 REPO = Path(__file__).resolve().parents[1]
+
+# "chunked" against "none", fp32 on CPU: relative bound on the loss and on each gradient (module doc
+# says why these are not bit for bit: row-count-dependent BLAS blocking, and the expert weights'
+# gradients summed over two chunks). ~100 fp32 ulps; a wrong chunk (a row lost, doubled or sent
+# to the wrong expert) moves them by orders of magnitude more.
+CHUNKED_RTOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -129,14 +140,11 @@ def test_chunked_equals_plain_at_layer_level(world_of_one, ac, num_tokens):
     tokens = torch.randint(0, model.model_args.vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(1))
     loss_plain, grads_plain = _loss_and_grads(model, config, "none", tokens)
     loss_chunked, grads_chunked = _loss_and_grads(model, config, "chunked", tokens)
-    assert torch.equal(loss_plain, loss_chunked)
+    assert torch.allclose(loss_chunked, loss_plain, rtol=CHUNKED_RTOL, atol=0)
     assert grads_plain.keys() == grads_chunked.keys()
     for name, g in grads_plain.items():
-        if ".experts." in name:
-            err = (grads_chunked[name] - g).abs().max() / g.abs().max().clamp_min(1e-30)
-            assert err <= 1e-5, f"{name}: {err}"
-        else:
-            assert torch.equal(grads_chunked[name], g), name
+        err = (grads_chunked[name] - g).abs().max() / g.abs().max().clamp_min(1e-30)
+        assert err <= CHUNKED_RTOL, f"{name}: {err}"
 
 
 # ---- the stream schedule, recorded -----------------------------------------------------------
@@ -400,12 +408,16 @@ def _train(tmp: Path, name: str, nproc: int, variants: str, *overrides: str) -> 
 
 
 def _assert_variant_matches(ranks: list[dict], variant: str, exact: bool) -> None:
+    """`exact`: bit for bit (the same ops on the same shapes); else within CHUNKED_RTOL."""
+    rtol = 0.0 if exact else CHUNKED_RTOL
     for rank, record in enumerate(ranks):
         for step, (plain, got) in enumerate(zip(record["plain"], record[variant], strict=True)):
             where = f"{variant}, rank {rank}, step {step + 1}"
-            assert got["loss"] == plain["loss"], where  # forward from the same weights: bit for bit
-            assert got["other_grad_rel"] == 0.0, where
-            assert got["experts_grad_rel"] <= (0.0 if exact else 1e-5), where
+            # every variant starts each step from the same weights
+            ref, loss = float.fromhex(plain["loss"]), float.fromhex(got["loss"])
+            assert abs(loss - ref) <= rtol * abs(ref), where
+            assert got["other_grad_rel"] <= rtol, where
+            assert got["experts_grad_rel"] <= rtol, where
 
 
 def test_dual_pipe_v_and_chunked_match_plain_pp2_ep2(tmp_path):
