@@ -163,6 +163,8 @@ def test_cpu_default_job_prints_one_line_per_step(default_run):
     assert all(m["mfu"] == "n/a" and m["mem"] == "n/a" and m["dispatch"] for m in steps)
     first = messages.index(next(m for m in messages if m.startswith("step ")))
     header, footer = messages[:first], messages[first + 5:]
+    # "still ... (N s so far)" progress lines come only while a phase is slow (a loaded machine)
+    header = [m for m in header if not m.startswith("still ")]
     assert len(header) <= 8 and len(footer) <= 2, "\n".join(lines)
     assert header[0].startswith("+ ") and "torchtitan.train" in header[0]  # the command run
     assert any(m.startswith("moe_comm: debug_cpu, backend nccl, 2 x CPU (dp_shard 2, ep 2), 5 steps") for m in header)
