@@ -11,7 +11,7 @@ from pathlib import Path
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED = REPO / "results" / "h200x2" / "comm_bench.json"
+COMMITTED = REPO / "results" / "model_inputs" / "comm_bench_h200x2.json"
 
 
 def test_plot_from_the_committed_json(tmp_path):
