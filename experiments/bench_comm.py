@@ -13,9 +13,11 @@ Three steps, all on the GPU machine but the last:
       compares like for like with DeepEP. torch's symmetric-memory all-to-all (backend "torch_symm") must
       run in its own launch: it starts NVSHMEM through torch, which cannot share a process with
       this project's NVSHMEM start-up.
-  python experiments/bench_comm.py report OUT_DIR/*.json --json results/h200x2/comm_bench.json
-      merges the runs, adds ratios against the nvshmem backend, and draws the plot beside it.
-  python experiments/bench_comm.py plot results/h200x2/comm_bench.json
+  python experiments/bench_comm.py report OUT_DIR/*.json --json MERGED.json --kernels COMMIT
+      merges the runs, adds ratios against the nvshmem backend, records the kernels' commit (that
+      of the csrc/ the runs were built from), and draws the plot beside it. The model's input is
+      results/model_inputs/comm_bench_h200x2.json (its MANIFEST.json entry says how it was made).
+  python experiments/bench_comm.py plot results/model_inputs/comm_bench_h200x2.json --png results/h200x2/comm_bench.png
       redraws that plot from the merged JSON alone.
 """
 
@@ -378,8 +380,10 @@ def run(out: Path, backends: list[str], num_sms_list: list[int], shapes: list[st
     dist.destroy_process_group()
 
 
-def report(inputs: list[Path], json_out: Path) -> None:
+def report(inputs: list[Path], json_out: Path, kernels: str | None = None) -> None:
     merged = {"p2p": None, "rows": [], "inputs": [str(p) for p in inputs]}
+    if kernels:
+        merged["kernels"] = kernels
     for path in inputs:
         data = json.loads(path.read_text())
         if "p2p_one_way_gbps" in data:
@@ -416,8 +420,8 @@ def report(inputs: list[Path], json_out: Path) -> None:
     plot(merged, json_out.with_suffix(".png"))
 
 
-def _bench_footer(merged: dict, ok: list[dict], date: str) -> list[str]:
-    """What the plot shows: the benchmark's shapes (it has no recipe), hardware, date, options."""
+def _bench_footer(merged: dict, ok: list[dict], date: str, kernels: str) -> list[str]:
+    """What the plot shows: the benchmark's shapes (it has no recipe), hardware, date, options, kernels."""
     world = ok[0]["world"] if ok else "?"
     shapes = "; ".join(
         f"{name} = {t} tokens/rank, hidden {d}, top-{k}, {e} experts, {routing} routing"
@@ -431,10 +435,11 @@ def _bench_footer(merged: dict, ok: list[dict], date: str) -> list[str]:
         f"experiments/bench_comm.py (no recipe): bf16, {shapes}",
         f"hardware: {world} x {merged.get('device', '?')}, torch {merged.get('torch', '?')};  date: {date}",
         "backend options: " + ";  ".join(options),
+        f"kernels: {kernels}",
     ]
 
 
-def plot(merged: dict, png: Path, date: str | None = None) -> None:
+def plot(merged: dict, png: Path, date: str | None = None, kernels: str | None = None) -> None:
     """Per shape: the round trip of every backend on a log axis (the slow and the fast ones
     readable together), and below it the fast ones zoomed in, split into dispatch transport,
     the local expert-major layout (nvshmem's expand and reduce) and combine transport."""
@@ -445,9 +450,11 @@ def plot(merged: dict, png: Path, date: str | None = None) -> None:
     from matplotlib.patches import Patch
 
     from moe_comm import plots
+    from moe_comm.report import kernels_text
 
     ok = [r for r in merged["rows"] if "error" not in r]
     date = date or merged.get("date") or "not recorded"
+    kernels = kernels_text(kernels or merged.get("kernels"))
     shapes = [s for s in SHAPES if any(r["shape"] == s for r in ok)]
     configs = sorted({(r["backend"], r["num_sms"]) for r in ok}, key=lambda k: (k[0] != "nccl", k[0], k[1] or 0))
     fig, axes = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 7.5), squeeze=False,
@@ -502,7 +509,7 @@ def plot(merged: dict, png: Path, date: str | None = None) -> None:
     handles += [Patch(color="0.3", label="dispatch (transport)"),
                 Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="layout: expand + reduce (nvshmem)"),
                 Patch(color="0.3", alpha=0.45, label="combine (transport)")]
-    footer = _bench_footer(merged, ok, date)
+    footer = _bench_footer(merged, ok, date, kernels)
     plots.add_footer(fig, footer, top_in=0.75)  # then the title and legend go in the top band
     height = fig.get_figheight()
     fig.suptitle(f"MoE dispatch + combine, {ok[0]['world'] if ok else '?'} x {merged.get('device', '')}",
@@ -530,9 +537,13 @@ def main() -> int:
     rep = sub.add_parser("report")
     rep.add_argument("inputs", nargs="+", type=Path)
     rep.add_argument("--json", type=Path, required=True)
-    pl = sub.add_parser("plot", help="redraw the PNG beside a merged JSON (no GPU needed)")
+    rep.add_argument("--kernels", default=None, help="the commit whose csrc/ the runs were built from")
+    pl = sub.add_parser("plot", help="redraw the PNG from a merged JSON (no GPU needed)")
     pl.add_argument("json", type=Path)
+    pl.add_argument("--png", type=Path, default=None, help="where the PNG goes (default: beside the JSON)")
     pl.add_argument("--date", default=None, help="the measurement date, for a JSON made before `report` recorded it")
+    pl.add_argument("--kernels", default=None,
+                    help="the commit whose csrc/ the runs were built from, for a JSON made before `report` recorded it")
     args = parser.parse_args()
     if args.cmd == "p2p":
         p2p(args.out)
@@ -541,9 +552,9 @@ def main() -> int:
                    "dispatch_dtype": args.dispatch_dtype}
         run(args.out, args.backends, args.num_sms, args.shapes, options)
     elif args.cmd == "plot":
-        plot(json.loads(args.json.read_text()), args.json.with_suffix(".png"), args.date)
+        plot(json.loads(args.json.read_text()), args.png or args.json.with_suffix(".png"), args.date, args.kernels)
     else:
-        report(args.inputs, args.json)
+        report(args.inputs, args.json, args.kernels)
     return 0
 
 

@@ -219,7 +219,8 @@ def _label(spec: dict) -> str:
     return f"{spec['backend']} {spec.get('dispatch_dtype') or 'recipe dtype'}" + (f" ({spec['tag']})" if spec.get("tag") else "")
 
 
-def plot(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Path, path: Path) -> Path | None:
+def plot(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Path, path: Path,
+         kernels: str | None = None) -> Path | None:
     """Loss, grad norm and loss minus the reference's, per step, side by side."""
     ok = [r for r in results if r.status == "ok"]
     if not ok:
@@ -267,7 +268,7 @@ def plot(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Path,
     if ax_diff.get_legend_handles_labels()[0]:
         ax_diff.legend(loc="lower right", fontsize=8)
     d = payload["data"]
-    footer = report.provenance(runs, report.run_labels(runs)) + [
+    footer = report.provenance(runs, report.run_labels(runs), kernels) + [
         f"data: {d['dataset_path']} (tokenizer {d['tokenizer']}), seed {d['seed']}, local batch "
         f"{d['local_batch_size']} x seq {d['seq_len']}; final = mean of the last {payload['last_steps']} steps"
     ]
@@ -301,7 +302,7 @@ def varied_fields(results: list[mfu_sweep.RunResult]) -> list[str]:
 
 
 def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Path, commands: list[str],
-            plot_path: str | None) -> str:
+            plot_path: str | None, kernels: str | None = None) -> str:
     """The results section, in the words of results/fp8_dispatch_accuracy.md."""
     d, last, target = payload["data"], payload["last_steps"], payload["target_pct"]
     ref = payload["reference"]
@@ -324,7 +325,8 @@ def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Pa
     else:
         data = f"`{d['dataset_path']}`, tokenizer `{d['tokenizer']}`"
     lines += [
-        f"{len(results)} runs of `{results[0].spec.recipe if results else '?'}` on {device} ({date}), "
+        f"{len(results)} runs of `{results[0].spec.recipe if results else '?'}` on {device} ({date}; kernels: "
+        f"{report.kernels_text(kernels)}), "
         f"identical but for {' and '.join(VARIED_FIELD_NAMES[f] for f in varied) or 'nothing'}: seed {d['seed']}, "
         f"local batch {d['local_batch_size']} x "
         f"seq {d['seq_len']}, {d['tokens_read']:,} tokens read per data-parallel rank per run. Data: {data}.",
@@ -381,7 +383,7 @@ def write_outputs(args: argparse.Namespace, results: list[mfu_sweep.RunResult], 
     (folder / "comparison.json").write_text(json.dumps(payload, indent=2) + "\n")
     plot_path = None
     try:
-        plot_path = plot(payload, results, args.out, folder / "curves.png")
+        plot_path = plot(payload, results, args.out, folder / "curves.png", args.kernels)
     except ImportError as e:  # no matplotlib on the GPU image: --report-only makes it elsewhere
         print(f"[{NAME}] no plot ({e}); make it with: python experiments/{NAME}.py --out {args.out} "
               f"--name {args.name} --report-only")
@@ -389,7 +391,7 @@ def write_outputs(args: argparse.Namespace, results: list[mfu_sweep.RunResult], 
     if plot_path is not None:
         base = args.md.parent if args.md else folder
         md_ref = os.path.relpath(plot_path.resolve(), base.resolve())
-    text = section(payload, results, args.out, commands, md_ref)
+    text = section(payload, results, args.out, commands, md_ref, args.kernels)
     (folder / "section.md").write_text(text)
     if args.md:
         splice(args.md, text)
@@ -427,6 +429,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B runs")
     p.add_argument("--launcher", default=f"{shlex.quote(sys.executable)} -m moe_comm train",
                    help="command that takes RECIPE [overrides] and trains")
+    p.add_argument("--kernels", default=None,
+                   help="the commit whose csrc/ the runs are built from; the plot and the section name it")
     p.add_argument("--report-only", action="store_true", help="run nothing: rebuild the report from OUT/NAME.json")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)

@@ -98,7 +98,7 @@ def predict(out: Path) -> dict:
     doc = {"made_by": "python experiments/h200x4_runs.py predict --out " + str(out),
            "date": datetime.date.today().isoformat(), "machine": "CPU (the step model; nothing ran on a GPU)",
            "what": "PREDICTIONS of the step model (moe_comm/predict) for issue 27's runs on 1 x 4 H200, written "
-                   "before they run; the measured figures join results/scale_model_validation.json",
+                   "before they run; the measured figures join results/model_inputs/scale_model_validation.json",
            "recipe": RECIPE, "steps": STEPS, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")

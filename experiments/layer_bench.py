@@ -2,15 +2,16 @@
 one GPU: forward, backward, and backward under full activation checkpointing (which re-runs the
 forward), each part as time and as efficiency against the GPU's peaks, datasheet and measured.
 
-    python experiments/layer_bench.py run --out results/h200x1/layer_bench.json   # one H200, < 4 min
-    python experiments/layer_bench.py report results/h200x1/layer_bench.json      # the markdown table
+    python experiments/layer_bench.py run       # one H200, < 4 min: the model's input, results/model_inputs/
+                                                # layer_bench_h200x1.json (then update its MANIFEST.json entry)
+    python experiments/layer_bench.py report results/model_inputs/layer_bench_h200x1.json   # the markdown table
     python experiments/layer_bench.py run --device cpu --tiny --out /tmp/lb.json  # CPU smoke (tests/)
 
 What one rank runs, per microbatch and layer (the shapes come from the recipe and the anchor, not
 from constants here; see `cases`):
   * "flagship": recipes/deepseek_v3_671b_b200.toml - one microbatch of its sequence length, TP 1,
     EP 32 (8 of 256 experts per rank), TorchTitan's node-limited router;
-  * "nebius": the Nebius anchors' layout (results/scale_model_validation.json: TP 2, seq 8192,
+  * "nebius": the Nebius anchors' layout (results/model_inputs/scale_model_validation.json: TP 2, seq 8192,
     EP 32, forced balanced routing) - under TP 2 a rank runs the attention projections and
     kernel for half the heads over the whole sequence (wq_a / wkv_a and the q/kv norms are
     replicated, TorchTitan's TP plan), the norms, residuals and the reorderer/dispatch on half
@@ -70,7 +71,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 SCHEMA = "layer_bench/1"
 FLAGSHIP_RECIPE = "recipes/deepseek_v3_671b_b200.toml"
 ANCHOR_ID = "anchor/nebius_671b_256xb200/standard"
-VALIDATION = "results/scale_model_validation.json"
+VALIDATION = "results/model_inputs/scale_model_validation.json"
 # Priorities: eager parts first, then what needs a compile, the least needed last; the budget
 # stops only compile-bearing parts (priority >= COMPILE_PRIORITY).
 P_CEILING, P_EAGER, P_FLEX_FLAGSHIP, P_COMPOSITE, P_FLEX_OTHER, P_COMPILED_EXPERTS = range(6)
@@ -1099,7 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="verb", required=True)
     r = sub.add_parser("run", help="measure and write the JSON")
-    r.add_argument("--out", default=str(REPO / "results" / "h200x1" / "layer_bench.json"))
+    r.add_argument("--out", default=str(REPO / "results" / "model_inputs" / "layer_bench_h200x1.json"))
     r.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     r.add_argument("--tiny", action="store_true", help="a tiny shape (the CPU smoke test)")
     r.add_argument("--iters", type=int, default=None, help="timed iterations per mode (default 10; --tiny 2)")

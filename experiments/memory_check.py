@@ -17,7 +17,10 @@ peaks at every logged step. Estimated: moe_comm.predict.estimate.memory_per_gpu 
 same overrides, as `python -m moe_comm check` computes it. OUT/NAME.json holds both per run,
 the command, and the error (issue 24's target: within +-8% of the measured peak in use).
 The backend defaults to nccl: at EP 1 it is TorchTitan's own local path and needs no kernel
-build; the nvshmem backend's peak was the same at world 1 (NOTES §9).
+build; the nvshmem backend's peak was the same at world 1 (NOTES §9). The runs stay in the
+archive (OUT, results/h200x1 by default); the scale model is checked against them through rows
+of results/model_inputs/scale_model_validation.json, each with its value and the run's
+metrics.jsonl it was read from (tests/test_model_inputs.py checks the two agree).
 """
 
 import argparse

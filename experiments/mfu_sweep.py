@@ -229,7 +229,7 @@ def write_results(args: argparse.Namespace, results: list[RunResult], commands: 
     return path
 
 
-def plot_sweep(results: list[RunResult], out: Path, runs: list[report.Run]) -> Path | None:
+def plot_sweep(results: list[RunResult], out: Path, runs: list[report.Run], kernels: str | None = None) -> Path | None:
     """MFU and tokens/s against tokens per rank per step (batch x seq), one line per backend
     and sequence length, in the backend's colour; the footer names what `runs` are."""
     ok = [r for r in results if r.status == "ok" and r.spec.instrumented]
@@ -265,7 +265,7 @@ def plot_sweep(results: list[RunResult], out: Path, runs: list[report.Run]) -> P
         ax.grid(alpha=0.3)
     ax_tps.legend()
     path = out / "mfu_vs_tokens.png"
-    plots.save(fig, path, report.provenance(runs, report.run_labels(runs)))
+    plots.save(fig, path, report.provenance(runs, report.run_labels(runs), kernels))
     plt.close(fig)
     return path
 
@@ -293,9 +293,10 @@ def run_all(args, specs: list[RunSpec], results: list[RunResult], commands: list
 
 def write_report(args, results, ok_dirs, failed, plots_dir: Path, commands: list[str]) -> None:
     report_md, _ = report.build_report(ok_dirs, plots_dir, args.warmup_steps,
-                                       title=f"{args.name}: {len(results)} runs (commands at the end)")
+                                       title=f"{args.name}: {len(results)} runs (commands at the end)",
+                                       kernels=args.kernels)
     runs = [report.load_run(folder / "metrics.jsonl") for folder in ok_dirs]
-    sweep_plot = plot_sweep(results, plots_dir, runs)
+    sweep_plot = plot_sweep(results, plots_dir, runs, args.kernels)
     extra = [f"![{sweep_plot.stem}]({sweep_plot.name})"] if sweep_plot else []
     if failed:
         extra += ["", "## Failed runs", ""] + [f"- {r.spec.name}: {r.error}" for r in failed]
@@ -337,6 +338,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=0,
                    help="start no run that would likely end past this many seconds (e.g. 540 under a "
                         "10-minute limit); the rest is left for --resume")
+    p.add_argument("--kernels", default=None,
+                   help="the commit whose csrc/ the runs are built from; the report and every plot name it")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild the table and plots from OUT/NAME.json and its runs")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")

@@ -1,12 +1,12 @@
 """The scale model's report: the plan for DeepSeek-V3 671B on 32 x 8 B200 per backend (nccl,
 deepep, nvshmem with bf16 and fp8 dispatch), the flagship recipe's step, the EP sweep, the
 Nebius anchors, and the model against every measured figure of
-results/scale_model_validation.json. One command regenerates it all (after the constants in
-moe_comm/predict/calibration.py or the result files change):
+results/model_inputs/scale_model_validation.json. One command regenerates it all (after the constants in
+moe_comm/predict/calibration.py or the measured inputs in results/model_inputs change):
 
     python experiments/scale_model.py            # writes results/scale_model.{md,json,png}
 
-Runs on a CPU in about a minute: it reads the result files, fits the model's measured constants
+Runs on a CPU in about a minute: it reads results/model_inputs, fits the model's measured constants
 (moe_comm.predict.calibration), draws routings, prices them and runs the planner.
 """
 
@@ -23,11 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from moe_comm import plan as plan_verb  # noqa: E402
+from moe_comm import plots  # noqa: E402
 from moe_comm import recipe  # noqa: E402
 from moe_comm.predict import calibration, estimate, scale_model  # noqa: E402
 from moe_comm.predict import plan as planner  # noqa: E402
 from moe_comm.predict.routing_plan import routing_statistics  # noqa: E402
 from moe_comm.predict import validation  # noqa: E402
+from moe_comm.predict.assumptions import MODEL_INPUTS  # noqa: E402
 
 FLAGSHIP = "recipes/deepseek_v3_671b_b200.toml"
 # EP 8/16/32 keep the flagship's PP 8 x FSDP 32; EP 64 and 256 need more ranks to borrow from
@@ -157,7 +159,7 @@ def plan_section(cal, lines, data):
         ms = terms.get(name)
         lines.append(f"| {name} | {cost:+,.0f} | {'' if ms is None else f'{ms:,.0f}'} |")
     lines += ["", "Reading: the first line is the reference less what the GEMM parts and the attention kernel alone "
-              "would reach at their measured H200 times scaled to B200 (results/h200x1/layer_bench.json; the GEMM "
+              "would reach at their measured H200 times scaled to B200 (results/model_inputs/layer_bench_h200x1.json; the GEMM "
               "parts include what their modules run beside the matmuls: MLA's norms and rope, the loss); the rest is "
               "what each other term costs. The largest are the exposed MoE communication (the chunked overlap hides "
               "the part the experts' compute covers; 4 nodes of 50 GB/s NICs carry more than that) and full AC's "
@@ -206,7 +208,7 @@ def flagship_section(cal, lines, data):
               "Per rank and step: rows and bytes of every MoE transfer (dispatch, combine, their backward, and "
               "the forward again under full AC); \"MoE comm\" is the MoE communication that runs, \"exposed\" "
               "all exposed communication. Compute: the one-GPU layer benchmark's parts at the flagship's per-rank "
-              "shape (results/h200x1/layer_bench.json, case flagship), scaled to B200 by datasheet peak ratios; nothing "
+              "shape (results/model_inputs/layer_bench_h200x1.json, case flagship), scaled to B200 by datasheet peak ratios; nothing "
               "is fitted to the Nebius anchors. Predictions.", "",
               "| EP | layout | nodes / EP group | backend | network rows/step | NVLink rows/step | network GB/step | "
               "NVLink GB/step | MoE comm s/step | exposed comm s | overlapped s | step s | tok/s/GPU | MFU (bf16 peak) | "
@@ -266,13 +268,13 @@ def flagship_section(cal, lines, data):
 
 # what each anchor's prediction takes from measurements and what from stated assumptions
 ANCHOR_MEASURED = {
-    "standard": "compute: results/h200x1/layer_bench.json case `nebius` (TP 2, 1 x 8192: norms, residuals, router, "
+    "standard": "compute: results/model_inputs/layer_bench_h200x1.json case `nebius` (TP 2, 1 x 8192: norms, residuals, router, "
                 "MLA projections, FlexAttention kernel, shared expert, dense FFN, bf16 grouped GEMM at EP 32 balanced, "
                 "embedding, output + loss; fwd, bwd, full-AC recompute); nccl path: per-call host cost and per-row "
-                "permutes (results/h200x2/comm_bench.json, mfu_sweep profiles); NCCL's NVLink rate (NOTES §2); "
-                "idle share (results/h200x2 profile)",
+                "permutes (results/model_inputs/comm_bench_h200x2.json, mfu_sweep profiles); NCCL's NVLink rate "
+                "(NOTES §2); idle share (results/model_inputs split_kernels profile)",
     "deepep": "compute as standard; DeepEP's per-token fixed cost from its intranode test on 2xH200 (NOTES §4) with "
-              "our kernels' link efficiency (results/h200x2/comm_bench.json); TorchTitan's DeepEP permute and "
+              "our kernels' link efficiency (results/model_inputs/comm_bench_h200x2.json); TorchTitan's DeepEP permute and "
               "unpermute per row (one H200, NOTES §7)",
     "deepep_mxfp8": "as deepep; the bf16 grouped GEMM and the measured bf16 / fp8 rowwise GEMM ceilings "
                     "(layer_bench.json peaks.measured: 799 / 1,560 TFLOPS)",
@@ -357,7 +359,7 @@ def anchor_section(cal, rows, lines, data):
               "MPS through TorchTitan's DeepEP path (tests/gpu, as the GPU tests run it) with the step's comm timers and "
               "a profile - the wait on DeepEP's CPU-side counts per dispatch; (2) the rate, on two or more nodes: "
               "experiments/bench_comm.py across nodes for deepep and nvshmem at EP 16/32 (bytes per second on the "
-              "NIC); its rows join results/scale_model_validation.json.",
+              "NIC); its rows join results/model_inputs/scale_model_validation.json.",
               f"- **Attention at seq 8192 (all rows).** {attention_reading('nebius')} Nebius trains on c4 with "
               "block-causal masks over packed documents, which skip the pairs across documents: at one document per "
               "sequence the model prices attention at its most. The term is shared, so by the argument above it can "
@@ -373,7 +375,8 @@ def anchor_section(cal, rows, lines, data):
 
 def validation_section(rows, lines, data):
     lines += ["## Validation against every measured figure", "",
-              "Measured values are read from the files named in `results/scale_model_validation.json` at run time. "
+              "Measured values are those of `results/model_inputs/scale_model_validation.json`, each with the result "
+              "file it was read from (tests/test_model_inputs.py reads every one again from its file). "
               "\"calibration\" rows were used to fit a constant (their error shows how well the model's form fits); "
               "\"held out\" rows were not. The comm bench's torch symmetric-memory rows are a baseline, not a backend, "
               "and are not modelled.", "",
@@ -458,7 +461,7 @@ def assumptions_section(cal, lines):
               "one chunk runs beside half a layer's compute of the other; elsewhere the comm is exposed;",
               "- fp8 dispatch sends e4m3 rows + one fp32 scale per 128 channels on the forward dispatch only;",
               "- compute (moe_comm/predict/layer_compute.py): each part of a rank's layers measured on one H200 at "
-              "the layout's per-rank shape (results/h200x1/layer_bench.json), scaled by its work where the shape "
+              "the layout's per-rank shape (results/model_inputs/layer_bench_h200x1.json), scaled by its work where the shape "
               "differs and by datasheet peak ratios to another GPU; float8 GEMMs (grouped, until the compiled one is "
               "measured, and linear) at the bf16 part's time x the measured bf16 / fp8 rowwise ceiling ratio, "
               "MXFP8 the same at the B200's 8-bit rate; the eager float8 grouped GEMM (measured 2.6x slower than "
@@ -537,10 +540,20 @@ def plot(data, rows, path):
     ax2.set_yscale("log")
     ax2.set_xlabel("measured (us, tok/s/GPU, GiB)")
     ax2.set_ylabel("predicted")
-    ax2.set_title("validation: every figure of results/scale_model_validation.json")
+    ax2.set_title("validation: every figure of scale_model_validation.json")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plots.save(fig, path, inputs_footer())
+
+
+def inputs_footer() -> list[str]:
+    """What the plot is computed from: the model's measured inputs and the kernels each measured."""
+    manifest = json.loads((MODEL_INPUTS / "MANIFEST.json").read_text())
+    measured = {name: entry["kernels"]["commit"] for name, entry in manifest["files"].items() if entry["kernels"]}
+    files = "; ".join(f"{name} ({f'kernels {commit}' if commit else 'no kernels of ours'})"
+                      for name, commit in measured.items())
+    return ["PREDICTIONS of the step model, computed on a CPU by experiments/scale_model.py; the validation "
+            "panel's measured values are in results/model_inputs/scale_model_validation.json",
+            f"measured inputs (results/model_inputs, MANIFEST.json): {files}"]
 
 
 def main() -> int:
@@ -554,9 +567,10 @@ def main() -> int:
     lines = ["# Scale model: the flagship's plan, dispatch/combine and MFU at 256 B200, validated on 2xH200 and 1xH200",
              "",
              f"Made by `python experiments/scale_model.py` on {datetime.date.today().isoformat()} (CPU; no GPU "
-             "needed) from the result files in results/h200x2 (communication kernels, the 2-GPU trainings) and "
-             "results/h200x1 (the layer benchmark every compute time comes from, the one-GPU trainings and memory "
-             "check) and the figures in results/scale_model_validation.json. The model: "
+             "needed) from the model's measured inputs in results/model_inputs (MANIFEST.json: what each file "
+             "measured, on which machine, with which kernels; the 2xH200 comm bench and training profiles, the "
+             "one-GPU layer benchmark every compute time comes from) and the figures in "
+             "results/model_inputs/scale_model_validation.json. The model: "
              "moe_comm/predict/scale_model.py (compute: moe_comm/predict/layer_compute.py; routing counts: "
              "moe_comm/predict/routing_plan.py; memory: moe_comm/predict/estimate.py). `python -m moe_comm check RECIPE` "
              "prints the same predictions for one recipe. Plot: `scale_model.png`; numbers: `scale_model.json`.", ""]

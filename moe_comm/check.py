@@ -156,7 +156,7 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
         cluster = scale_model.cluster_for(gpu, r.layout.nodes, r.layout.procs_per_node, cal)
         preds = scale_model.predict_all(w, cluster, cal)
     except (OSError, KeyError, ValueError) as e:
-        return [f"MoE comm    scale model unavailable ({type(e).__name__}: {e}); results/h200x2 holds its inputs"]
+        return [f"MoE comm    scale model unavailable ({type(e).__name__}: {e}); results/model_inputs holds its inputs"]
     first = next(iter(preds.values()))
     st = first.comm.stats
     ours = _model_backend(r)

@@ -26,6 +26,14 @@ from moe_comm.metrics import keys
 from moe_comm.metrics.keys import JSONL_NAME
 
 DEFAULT_WARMUP_STEPS = 2
+# What a plot says when nobody said which kernels its runs were built from (the runs do not record it).
+KERNELS_NOT_STATED = "not stated (--kernels COMMIT: the commit whose csrc/ the runs were built from)"
+
+
+def kernels_text(kernels: str | None) -> str:
+    """Which kernels a figure measured, for its footer and its report."""
+    return f"csrc/ of commit {kernels}" if kernels else KERNELS_NOT_STATED
+
 
 # (summary field, JSONL key, how a step's values are reduced)
 _SUMMARY_FIELDS = (
@@ -207,8 +215,9 @@ def run_styles(runs: list[Run]) -> list[dict[str, Any]]:
     return styles
 
 
-def provenance(runs: list[Run], labels: list[str]) -> list[str]:
-    """The footer of every plot of a report: what was run, on what, when, with which options."""
+def provenance(runs: list[Run], labels: list[str], kernels: str | None = None) -> list[str]:
+    """The footer of every plot of a report: what was run, on what, when, with which options and
+    which kernels (the commit of csrc/ the runs were built from, as the caller states it)."""
 
     def distinct(values) -> str:
         return ", ".join(dict.fromkeys(values))
@@ -224,10 +233,11 @@ def provenance(runs: list[Run], labels: list[str]) -> list[str]:
         f"hardware: {distinct(r.hardware for r in runs)};  "
         f"date: {dates[0] if len(dates) == 1 else dates[0] + ' to ' + dates[-1]}",
         f"[moe_comm] options: {backend_options}",
+        f"kernels: {kernels_text(kernels)}",
     ]
 
 
-def write_plots(runs: list[Run], summaries: list[dict[str, Any]], out: Path) -> list[Path]:
+def write_plots(runs: list[Run], summaries: list[dict[str, Any]], out: Path, kernels: str | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,7 +246,7 @@ def write_plots(runs: list[Run], summaries: list[dict[str, Any]], out: Path) -> 
 
     labels = run_labels(runs)
     styles = run_styles(runs)
-    footer = provenance(runs, labels)
+    footer = provenance(runs, labels, kernels)
     written = []
     for key, title, filename in (
         (keys.TPS, "tokens/s per GPU", "tps.png"),
@@ -305,7 +315,8 @@ def default_out(run_paths: list[Path]) -> Path:
 
 
 def build_report(
-    run_paths: list[Path], out: Path, warmup_steps: int = DEFAULT_WARMUP_STEPS, title: str = "MoE comm backends"
+    run_paths: list[Path], out: Path, warmup_steps: int = DEFAULT_WARMUP_STEPS, title: str = "MoE comm backends",
+    kernels: str | None = None,
 ) -> tuple[Path, list[dict[str, Any]]]:
     jsonl_files = [j for p in run_paths for j in find_jsonl(p)]
     if not jsonl_files:
@@ -315,9 +326,11 @@ def build_report(
     summaries = [summarize_run(r, warmup_steps, relative_to=out) for r in runs]
     add_speedups(summaries)
     out.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(runs, summaries, out)
+    plots = write_plots(runs, summaries, out, kernels)
     md = [
         f"# {title}",
+        "",
+        f"Kernels: {kernels_text(kernels)}.",
         "",
         f"Medians over steps after the first {warmup_steps} (warm-up); memory is the max. "
         "'comm not hidden' = compute-stream time inside dispatch + combine (forward and backward, "
@@ -339,12 +352,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS,
                         help="steps left out of the medians (start-up, compilation)")
     parser.add_argument("--title", default="MoE comm backends")
+    parser.add_argument("--kernels", default=None,
+                        help="the commit whose csrc/ the runs were built from; every plot and report.md names it")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         out = args.out or default_out(args.runs)
-        report_md, summaries = build_report(args.runs, out, args.warmup_steps, args.title)
+        report_md, summaries = build_report(args.runs, out, args.warmup_steps, args.title, args.kernels)
     except (FileNotFoundError, ValueError) as e:
         print(f"report: {e}")
         return 1

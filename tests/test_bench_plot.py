@@ -11,17 +11,19 @@ from pathlib import Path
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED = REPO / "results" / "h200x2" / "comm_bench.json"
+COMMITTED = REPO / "results" / "model_inputs" / "comm_bench_h200x2.json"
 
 
 def test_plot_from_the_committed_json(tmp_path):
     merged = tmp_path / "comm_bench.json"
     shutil.copy(COMMITTED, merged)
-    cmd = [sys.executable, str(REPO / "experiments" / "bench_comm.py"), "plot", str(merged), "--date", "2026-11-30"]
+    cmd = [sys.executable, str(REPO / "experiments" / "bench_comm.py"), "plot", str(merged), "--date", "2026-11-30",
+           "--kernels", "73fe4c2", "--png", str(tmp_path / "plot.png")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    png = Image.open(tmp_path / "comm_bench.png")
+    png = Image.open(tmp_path / "plot.png")
     footer = png.text["Description"]
+    assert "kernels: csrc/ of commit 73fe4c2" in footer
     assert "hardware: 2 x NVIDIA H200, torch 2.11.0+cu130;  date: 2026-11-30" in footer
     assert "dsv3_random = 4096 tokens/rank, hidden 7168, top-8, 256 experts, random routing" in footer
     assert "nvshmem num_sms 20/24/32/64" in footer and "nccl: library-managed" in footer

@@ -227,7 +227,7 @@ def test_calibration_loads_the_recorded_bench_and_needs_it(bench, monkeypatch, t
 
 
 def test_the_recorded_bench_prices_the_flagship_from_measured_parts():
-    """results/h200x1/layer_bench.json as recorded on the device (runs 14 and 15): every part ran,
+    """results/model_inputs/layer_bench_h200x1.json as recorded on the device (runs 14 and 15): every part ran,
     FlexAttention and the compiled float8 grouped GEMM included, so the flagship's prediction
     needs no stand-in; the MXFP8 recipe's grouped GEMM is still the stated assumption."""
     from moe_comm import recipe

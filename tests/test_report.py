@@ -57,6 +57,7 @@ def test_report_two_runs(tmp_path):
         path = out / name
         assert path.is_file() and path.stat().st_size > 0, name
     assert (out / "tps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Kernels: not stated" in (out / "report.md").read_text()  # no --kernels: it says so
 
     rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| debug_cpu")]
     assert rows == [
@@ -82,11 +83,13 @@ def test_every_png_says_what_it_shows(tmp_path):
     _write_run(tmp_path / "runs" / "a", "nccl", 20, 1000.0, 3.0, 4.0, 100.0)
     _write_run(tmp_path / "runs" / "b", "nvshmem", 24, 1200.0, 1.0, 1.5, 80.0)
     out = tmp_path / "r"
-    assert cli_main(["report", str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert cli_main(["report", str(tmp_path / "runs"), "--out", str(out), "--kernels", "abc1234"]) == 0
     today = time.strftime("%Y-%m-%d", time.gmtime())
+    assert "Kernels: csrc/ of commit abc1234." in (out / "report.md").read_text()
     for name in PNGS:
         footer = Image.open(out / name).text["Description"]
         assert "recipe: debug_cpu" in footer, name
+        assert "kernels: csrc/ of commit abc1234" in footer, name  # the commit whose csrc/ the runs were built from
         assert f"hardware: 2 x NVIDIA H200;  date: {today}" in footer, name
         # options that differ from [moe_comm]'s defaults, per run
         assert "[moe_comm] options: nccl: defaults;  nvshmem-sm24: num_sms=24" in footer, name

@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-VALIDATION = REPO / "results" / "scale_model_validation.json"
+# The one folder the model reads under results/: its measured inputs, each described (what, machine,
+# date, kernels' commit, command) in its MANIFEST.json. The rest of results/ is the archive.
+MODEL_INPUTS = REPO / "results" / "model_inputs"
+VALIDATION = MODEL_INPUTS / "scale_model_validation.json"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The scale model's measured constants, fitted at run time from the 2xH200 result files.
+"""The scale model's measured constants, fitted at run time from the measured inputs in
+results/model_inputs (its MANIFEST.json says what each file measured, where, with which kernels).
 
 Every constant is recorded with its source as an `Assumption` (results/scale_model.md lists
 them). The fits, and which measured figures they use (the validation table marks those rows
@@ -12,7 +13,7 @@ them). The fits, and which measured figures they use (the validation table marks
   * the nccl path: a per-call cost and a per-row cost from its DSV3 and decode round trips; its
     backward per-row cost from a training pair's profiles (nccl vs nvshmem, batch 2 x 4096);
   * compute: every GEMM, attention and memory-bound time comes from the one-GPU layer
-    benchmark (results/h200x1/layer_bench.json, moe_comm.predict.layer_compute), which must be
+    benchmark (moe_comm.predict.layer_compute.BENCH), which must be
     there; only the GPU's idle share comes from a profile (TorchTitan's step-10 profile of the
     671B-shaped layers on 2xH200), as the benchmark times parts, not the gaps between them;
   * nothing is fitted to a public anchor (issue 24): the anchors are read only for the
@@ -26,14 +27,14 @@ from functools import lru_cache
 from pathlib import Path
 
 from moe_comm.predict import layer_compute
-from moe_comm.predict.assumptions import READ, REPO, Assumption
+from moe_comm.predict.assumptions import MODEL_INPUTS, READ, REPO, Assumption
 from moe_comm.predict.routing_plan import routing_statistics, row_bytes
 
-RESULTS = REPO / "results" / "h200x2"
+COMM_BENCH = "comm_bench_h200x2.json"
 # The SM counts whose comm-bench rows calibrate the kernels' costs; the others are held out.
 CALIBRATION_SMS = (20, 64)
-# The profiled training run that calibrates the compute terms (current kernels).
-CALIBRATION_RUN = "deepseek_v3_671b_layers_h200x2-nvshmem-b4-s4096"
+# The profiled training run that calibrates the GPU's idle share (current kernels), by sweep and run name.
+CALIBRATION_RUN = ("split_kernels", "deepseek_v3_671b_layers_h200x2-nvshmem-b4-s4096")
 BENCH_TOKENS, BENCH_TOP_K, BENCH_EXPERTS, BENCH_HIDDEN = 4096, 8, 256, 7168
 
 
@@ -59,7 +60,7 @@ class Calibration:
     nccl_row_us: float  # nccl path: per expert row per forward round trip (permute, unpermute)
     nccl_backward_row_us: float  # the same in the backward pass
     idle_ratio: float  # GPU idle / busy
-    # the measured layer parts (results/h200x1/layer_bench.json): every GEMM, attention and
+    # the measured layer parts (layer_compute.BENCH): every GEMM, attention and
     # memory-bound time of the step model (None only in hand-made calibrations of the tests)
     layer_bench: layer_compute.LayerBench | None = None
     assumptions: list = field(default_factory=list)
@@ -83,9 +84,13 @@ def _least_squares_2(points: list[tuple[float, float, float]]) -> tuple[float, f
     return (s1y * s22 - s2y * s12) / det, (s2y * s11 - s1y * s12) / det
 
 
-def _profile(results: Path, sweep: dict, run_name: str) -> dict:
-    run = next(r for r in sweep["runs"] if r["name"] == run_name)
-    return json.loads((results / run["dump_folder"] / "profile_step10_rank0.json").read_text())
+def _profile_file(sweep: str, run_name: str) -> str:
+    """A 2xH200 training run's step-10 profile summary (experiments/profile_summary.py)."""
+    return f"profile_h200x2_{sweep}_{run_name}.json"
+
+
+def _profile(inputs: Path, sweep: str, run_name: str) -> dict:
+    return json.loads((inputs / _profile_file(sweep, run_name)).read_text())
 
 
 def _other_ms(profile: dict) -> float:
@@ -149,12 +154,12 @@ def _flavor(name: str):
 
 
 @lru_cache(maxsize=4)
-def calibrate(results: Path = RESULTS) -> Calibration:
-    """Fit the model's measured constants from the 2xH200 result files."""
+def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
+    """Fit the model's measured constants from the measured inputs."""
     A: list[Assumption] = list(READ.values())
-    rel = results.relative_to(REPO) if results.is_relative_to(REPO) else results
-    bench_src = f"{rel}/comm_bench.json"
-    bench = json.loads((results / "comm_bench.json").read_text())
+    rel = inputs.relative_to(REPO) if inputs.is_relative_to(REPO) else inputs
+    bench_src = f"{rel}/{COMM_BENCH}"
+    bench = json.loads((inputs / COMM_BENCH).read_text())
     hbm = READ["hbm_tbs.H200"].value * 1e12
 
     p2p = bench["p2p"]["p2p_both_ways_per_direction_gbps"]
@@ -202,10 +207,8 @@ def calibrate(results: Path = RESULTS) -> Calibration:
     # the GPU's idle share, from the 671B-shaped layers' step-10 profile (the layer benchmark
     # times each part between CUDA events, not the launch gaps and host waits between them)
     a = _flavor("671B_layers")
-    split = json.loads((results / "split_kernels.json").read_text())
-    sweep = json.loads((results / "mfu_sweep.json").read_text())
-    prof = _profile(results, split, CALIBRATION_RUN)
-    prof_src = f"{rel}/runs/split_kernels/{CALIBRATION_RUN}/profile_step10_rank0.json"
+    prof = _profile(inputs, *CALIBRATION_RUN)
+    prof_src = f"{rel}/{_profile_file(*CALIBRATION_RUN)}"
     moe_layers = a.n_layers - a.n_dense_layers
     idle_ratio = prof["gpu_idle_share"] / prof["gpu_busy_share"]
     A.append(Assumption("GPU idle per busy second (launch gaps, host work)", idle_ratio, "", f"{prof_src}"))
@@ -213,15 +216,16 @@ def calibrate(results: Path = RESULTS) -> Calibration:
     # the nccl path's backward: at 2 x 4096 (no memory pressure) the nccl run's other kernels
     # exceed the nvshmem run's (fused kernels, whose layout is inside the comm kernels) by the
     # permutes of forward and backward
-    extra_ms = (_other_ms(_profile(results, sweep, "deepseek_v3_671b_layers_h200x2-nccl-b2-s4096"))
-                - _other_ms(_profile(results, sweep, "deepseek_v3_671b_layers_h200x2-nvshmem-b2-s4096")))
+    extra_ms = (_other_ms(_profile(inputs, "mfu_sweep", "deepseek_v3_671b_layers_h200x2-nccl-b2-s4096"))
+                - _other_ms(_profile(inputs, "mfu_sweep", "deepseek_v3_671b_layers_h200x2-nvshmem-b2-s4096")))
     nccl_bwd_row = extra_ms * 1e3 / (moe_layers * 8192 * a.moe_args.top_k) - nccl_row
     A.append(Assumption("nccl path: per expert row per backward round trip", nccl_bwd_row, "us",
-                        f"{rel}/runs/mfu_sweep/*-{{nccl,nvshmem}}-b2-s4096 profiles: other-kernel time difference "
-                        "less the forward permutes"))
+                        f"{rel}/{_profile_file('mfu_sweep', '*-{nccl,nvshmem}-b2-s4096')}: other-kernel time "
+                        "difference less the forward permutes"))
     if not layer_compute.BENCH.is_file():
         raise FileNotFoundError(f"{layer_compute.BENCH}: the layer benchmark the step model prices compute from is "
-                                "missing; run experiments/layer_bench.py run on one GPU (results/h200x1/README.md)")
+                                "missing; run experiments/layer_bench.py run on one GPU (see its entry in "
+                                "results/model_inputs/MANIFEST.json)")
     bench = layer_compute.load()
     A += layer_compute.assumptions(bench)
     cal = Calibration(

@@ -166,7 +166,7 @@ def _autocast_extra_bytes_per_token(a, moe_layer: bool) -> float:
 # The caching allocator keeps what it freed: torch's max_reserved exceeds the peak in use by
 # about this many bytes per parameter of the output projection (vocab x dim / tp). Fitted by
 # moe_comm.predict.validation.fit_allocator_cache over the 2xH200 memory figures of
-# results/scale_model_validation.json (10 runs: the 671B-shaped layers bf16 and float8, 16B);
+# results/model_inputs/scale_model_validation.json (10 runs: the 671B-shaped layers bf16 and float8, 16B);
 # tests/test_scale_model.py fails if the fit moves away from it. Vocabulary-sized buffers
 # (logits in fp32 and bf16 and their gradients, the unsharded embedding and output and their
 # fp32 gradients) are a step's largest transient blocks and leave the cache fragmented; the

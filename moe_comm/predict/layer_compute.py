@@ -1,9 +1,9 @@
 """One rank's compute per microbatch, priced from the one-GPU layer benchmark
-(experiments/layer_bench.py -> results/h200x1/layer_bench.json): each part of a DeepSeek-V3-671B
+(experiments/layer_bench.py -> results/model_inputs/layer_bench_h200x1.json): each part of a DeepSeek-V3-671B
 layer measured at the per-rank shape a layout runs, forward, backward and full-AC recompute. It is
 the step model's only source of GEMM, attention and memory-bound times: nothing here is fitted to
 an end-to-end figure, and the public anchors are never read (their table is
-results/scale_model_validation.json, read only by moe_comm.predict.validation).
+results/model_inputs/scale_model_validation.json, read only by moe_comm.predict.validation).
 
 How a measured part becomes a predicted time (each rule is listed in `assumptions`):
   * shape: a workload is priced from the measured case of its TP degree (the flagship's TP 1
@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_comm.metrics.peaks import table_peaks
-from moe_comm.predict.assumptions import READ, REPO, Assumption
+from moe_comm.predict.assumptions import MODEL_INPUTS, READ, REPO, Assumption
 from moe_comm.predict.routing_plan import routing_statistics
 
-BENCH = REPO / "results" / "h200x1" / "layer_bench.json"
+BENCH = MODEL_INPUTS / "layer_bench_h200x1.json"
 
 
 class NotCovered(ValueError):
@@ -106,7 +106,7 @@ def peaks(gpu: str) -> Peaks:
 
 @dataclass(frozen=True)
 class LayerBench:
-    """The measured parts of results/h200x1/layer_bench.json, by (case, part name)."""
+    """The measured parts of the layer benchmark (BENCH), by (case, part name)."""
 
     path: Path
     device: str

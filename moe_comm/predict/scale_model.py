@@ -6,11 +6,11 @@ It is built from three kinds of numbers, each listed with its source in `Calibra
   * rows and bytes, counted exactly from a drawn routing (moe_comm.predict.routing_plan) for the
     hierarchical path (per-node dedup on the network, per-rank dedup over NVLink; nvshmem and
     DeepEP V1) and for the all-to-all (one row per pick; nccl);
-  * costs measured here on 2xH200 (results/h200x2): the kernels' per-op fixed cost and how it
+  * costs measured here on 2xH200 (results/model_inputs): the kernels' per-op fixed cost and how it
     shrinks with the SM budget, their link efficiency, the layout kernels' HBM cost, the nccl
     path's per-call and per-row costs and a step's idle share, fitted by
     moe_comm.predict.calibration from the JSON files at run time;
-  * compute measured on one H200 (results/h200x1/layer_bench.json): every GEMM, attention and
+  * compute measured on one H200 (results/model_inputs/layer_bench_h200x1.json): every GEMM, attention and
     memory-bound time of a rank's microbatch, part by part (moe_comm.predict.layer_compute); the
     parameter-sized work no part times (optimizer, FSDP's and autocast's copies) by its bytes at
     the layout kernels' HBM rate (moe_comm.predict.estimate.param_copy_bytes, optimizer_bytes);
@@ -338,7 +338,7 @@ class StepPrediction:
     moe_comm_ms: float  # all MoE communication of a step on that rank, exposed or hidden
     peak_tflops: float  # the GPU's dense bf16 peak, which mfu is a share of
     recompute_ms: dict  # of terms_ms' gemm, attention and memory-bound: the activation-checkpoint recompute
-    # what priced the compute: "layer bench" (results/h200x1/layer_bench.json), with what it did not
+    # what priced the compute: "layer bench" (moe_comm.predict.layer_compute.BENCH), with what it did not
     # measure and what stood in (moe_comm.predict.layer_compute's notes)
     compute_source: str = "layer bench"
 
@@ -441,7 +441,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
                          "activation_checkpoint mode none (TorchTitan refuses it with AC)")
     T = w.tokens_per_call
     if cal.layer_bench is None:
-        raise ValueError("the step model prices compute from the layer benchmark (results/h200x1/layer_bench.json, "
+        raise ValueError("the step model prices compute from the layer benchmark (layer_compute.BENCH, "
                          "moe_comm.predict.layer_compute); this calibration has none")
     comm = layer_comm(backend, w, cluster, cal)
     t_d, t_c, t_cb, t_db = (t.time_us * 1e-6 for t in comm.transfers)

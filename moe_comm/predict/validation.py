@@ -1,9 +1,11 @@
-"""The scale model against every measured figure in results/scale_model_validation.json.
+"""The scale model against every measured figure in results/model_inputs/scale_model_validation.json.
 
-Each figure names where its measured value lives (a row of a comm-bench JSON, a run of a sweep
-JSON, a run's metrics.jsonl, or a public number with its source) and what to predict it from (a
-recipe with overrides, or a workload's fields, on a GPU). A new multi-GPU run joins the table
-by adding a row there; nothing here changes.
+Each figure carries its measured value and names where it was read from (a row of a comm-bench
+JSON, a run of a sweep JSON, a run's metrics.jsonl in the results/ archive, or a public number
+with its source), so the model reads nothing outside results/model_inputs; tests/test_model_inputs.py
+reads every value again from its file. It says what to predict the figure from (a recipe with
+overrides, or a workload's fields, on a GPU). A new multi-GPU run joins the table by adding a row
+there; nothing here changes.
 """
 
 import json
