@@ -48,6 +48,7 @@ CASES = [
     "many_calls_changing_routing",
     "capacity_overflow_raises",
     "cuda_graph_dispatch_dispatch_combine",
+    "graphed_calls_match_eager",
     "bad_input_errors",
     "overlap_calls_in_flight",
     "overlap_layer_matches_plain",
