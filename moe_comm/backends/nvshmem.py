@@ -24,7 +24,7 @@ from moe_comm.backends.base import (
 )
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
-from moe_comm.kernels import call_graphs, capacity
+from moe_comm.kernels import call_graphs, capacity, emulated_link
 from moe_comm.kernels.limits import LIMITS
 from moe_comm.kernels.runtime import NvshmemRuntime, RuntimeRequest, load_library
 
@@ -185,6 +185,8 @@ class NvshmemBackend(CommBackend):
         # this layer's calls replayed from CUDA graphs (moe_comm.kernels.call_graphs), unless off
         off = call_graphs.reason_off(torch.device("cuda"))
         self.graphs = None if off else call_graphs.CallGraphs(f"nvshmem backend, EP rank {self.ep_rank}")
+        # a benchmark's emulated network link at EP 1 (moe_comm.kernels.emulated_link), else None
+        self.emulated_link = emulated_link.for_backend(self.ep_size)
 
     @property
     def network_sms(self) -> int:
@@ -263,9 +265,11 @@ class NvshmemBackend(CommBackend):
             x_TD.contiguous(), topk_idx_TK, topk_w_TK, self.layer.num_experts, self.capacity, align,
             self.config.dispatch_dtype == "fp8", self.config.num_sms, self.network_sms, sizes.shape,
         ))
+        recv_x_RD = emulated_link.hold(recv_x_RD, self.emulated_link, "dispatch", x_TD.shape[0], self.config.num_sms)
         return DispatchResult(recv_x_RD, tokens_per_expert_L, NvshmemHandle(topk_w_TK, tuple(handle)))
 
     def combine(self, y_RD: torch.Tensor, handle: NvshmemHandle) -> torch.Tensor:
-        return call_graphs.run(self.graphs, "combine", (
+        out_TD = call_graphs.run(self.graphs, "combine", (
             y_RD.contiguous(), handle.topk_w_TK, *handle.tensors, True, self.config.num_sms, self.network_sms,
         ))
+        return emulated_link.hold(out_TD, self.emulated_link, "combine", out_TD.shape[0], self.config.num_sms)

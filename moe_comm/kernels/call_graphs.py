@@ -68,8 +68,8 @@ def reason_off(device: torch.device, environ=os.environ) -> str:
     return ""
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+def _uses(storage: torch.UntypedStorage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
 
 
 def key(op_name: str, args: tuple) -> tuple:
@@ -77,8 +77,8 @@ def key(op_name: str, args: tuple) -> tuple:
     dtype and device, and every other argument as it is."""
     parts: list[Any] = [op_name]
     for a in args:
-        if isinstance(a, torch.Tensor):
-            parts.append((a.data_ptr(), tuple(a.shape), a.stride(), a.dtype, a.device))
+        if isinstance(a, torch.Tensor):  # (an address names its device: CUDA's address space is unified)
+            parts.append((a.data_ptr(), a.shape, a.stride(), a.dtype))
         elif isinstance(a, list):
             parts.append(tuple(a))
         else:
@@ -118,12 +118,17 @@ class CudaCapture:
 class _Instance:
     graph: Any
     outputs: tuple[torch.Tensor, ...]  # the graph's own, rewritten by every replay
-    baseline: tuple[int, ...]  # each output's storage uses when only this instance holds it
     last_used: int
+    storages: tuple = ()  # the outputs' storages, kept to count their uses cheaply
+    baseline: tuple[int, ...] = ()  # each storage's uses when only this instance holds it
+
+    def __post_init__(self):
+        self.storages = tuple(t.untyped_storage() for t in self.outputs)
+        self.baseline = tuple(_uses(s) for s in self.storages)
 
     def idle(self) -> bool:
         """No alias of the last replay's outputs is alive: the next replay may rewrite them."""
-        return all(_storage_uses(t) <= n for t, n in zip(self.outputs, self.baseline))
+        return all(_uses(s) <= n for s, n in zip(self.storages, self.baseline))
 
 
 def _flat(outputs: Any) -> tuple[torch.Tensor, ...]:
@@ -170,7 +175,7 @@ class CallGraphs:
             return op(*args)
         graph, outputs = self.capturer.capture(lambda: op(*args))
         flat = _flat(outputs)
-        inst = _Instance(graph, flat, tuple(_storage_uses(t) for t in flat), self._clock)
+        inst = _Instance(graph, flat, self._clock)
         self.instances.setdefault(k, []).append(inst)
         self._returns_tuple[k] = isinstance(outputs, (tuple, list))
         self.counts["captured"] += 1
