@@ -227,6 +227,46 @@ class Cases:
             scale = max(want.abs().max().item(), 1e-6)
             assert err <= 3e-2 * scale, f"{what}: nvshmem differs from the nccl path by {err} (scale {scale})"
 
+    def emulated_link_holds(self, hidden, num_experts, top_k):
+        """World 1: with MOE_COMM_EMULATED_LINK set, a dispatch holds the dispatch time, a combine
+        the combine time, their backwards the other kind's, a half call half of it; each call
+        timed between CUDA events on its stream (the hold within 10% + 50 us above its time)."""
+        import os
+
+        from moe_comm.kernels import emulated_link
+
+        T = 256
+        os.environ[emulated_link.ENV] = f"dispatch_us=3000,combine_us=1500,tokens={T}"
+        try:
+            backend = self.backend(num_experts, top_k, hidden)
+        finally:
+            del os.environ[emulated_link.ENV]
+        assert backend.emulated_link is not None
+        backend.graphs = None  # a first call's capture would sit between the events as host time
+
+        def timed(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return out, start.elapsed_time(end) * 1e3
+
+        def near(us, want, what):
+            assert want <= us <= 1.1 * want + 50, f"{what} took {us:.0f} us, the link holds {want} us"
+
+        g = torch.Generator().manual_seed(3)
+        for tokens, share in ((T, 1.0), (T // 2, 0.5)):
+            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(self.device).requires_grad_(True)
+            idx, w = self.route(tokens, num_experts, top_k, "random", g)
+            res, us = timed(lambda: backend.dispatch(x, idx, w))
+            near(us, 3000 * share, f"a dispatch of {tokens} tokens")
+            out, us = timed(lambda: backend.combine(res.recv_x_RD * 1.0, res.handle))
+            near(us, 1500 * share, f"a combine of {tokens} tokens")
+            _, us = timed(lambda: out.float().sum().backward())
+            near(us, 4500 * share, f"the backward of both ({tokens} tokens)")
+        backend.check_errors(synchronize=True)
+
     def grad_padding_zero(self, num_tokens, hidden, num_experts, top_k):
         """The expert outputs' gradient is zero on every segment's alignment padding: the
         grouped GEMM's weight gradient X^T dY reads those rows, and 0 x NaN is NaN. The block
@@ -525,6 +565,7 @@ def main():
         log.run("overlap_layer_matches_plain", c.overlap_layer)
         if W == 1:
             log.run("moe_layer_ep1_against_nccl", c.moe_layer_ep1_against_nccl, 1024, 2048, 16, 4, 21)
+            log.run("emulated_link_holds", c.emulated_link_holds, 2048, 16, 8)
     merged = log.merged()
     error_at = [None] * c.world
     dist.all_gather_object(error_at, getattr(c, "error_at", None))
