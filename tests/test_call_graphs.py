@@ -54,11 +54,23 @@ def test_the_op_itself_runs_under_a_dispatch_mode(monkeypatch):
     """Selective activation checkpointing sees ops through a dispatch mode: a replay would hide
     the call from it, so the op runs as it is there."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert not call_graphs._op_itself()
+    assert call_graphs.op_itself_because() == ""
     with TorchDispatchMode():
-        assert call_graphs._op_itself()
+        assert "dispatch mode" in call_graphs.op_itself_because()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert call_graphs._op_itself()  # inside a caller's own capture
+    assert call_graphs.op_itself_because() == "inside another CUDA graph capture"  # a caller's own capture
+
+
+def test_the_footer_line_says_how_the_calls_ran():
+    a, b = CallGraphs("a", StandInCapture()), CallGraphs("b", StandInCapture())
+    a.counts.update({"replayed": 90, "captured": 4, "op itself, under a dispatch mode (selective activation "
+                     "checkpointing's)": 6})
+    b.counts.update({"replayed": 10, "captured": 2, "eager": 3})
+    b.stopped = "its calls' inputs did not settle"
+    line = call_graphs.summary([a, b])
+    assert line.startswith("100 of 115 MoE calls replayed from CUDA graphs (6 captured, 6 op itself, under a dispatch")
+    assert line.endswith("3 eager: its calls' inputs did not settle)")
+    assert call_graphs.summary([]).startswith("MoE calls ran without CUDA graphs")
 
 
 def test_key_is_every_input_where_it_sits():

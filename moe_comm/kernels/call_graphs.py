@@ -35,7 +35,7 @@ Replays are ordered after every earlier use of the outputs they rewrite: without
 every call is on one stream, and under moe_comm.titan.overlap each op on the comm stream first
 waits for the compute stream, where the previous call's outputs were read.
 
-Calls run as the op itself where a graph cannot stand in (`_op_itself`: inside another capture,
+Calls run as the op itself where a graph cannot stand in (`op_itself_because`: inside another capture,
 under torch.compile, under a dispatch mode such as selective activation checkpointing's), and
 every call does when `MOE_COMM_CUDA_GRAPHS=0` turns graphs off (to compare, or to rule them
 out; `reason_off` says why a process runs without them).
@@ -243,28 +243,56 @@ AUTOGRAD = {
 }
 
 
-def _op_itself() -> bool:
-    """Calls a graph must not stand in for: inside another capture (a caller capturing a whole
-    step records our kernels into its own graph), under torch.compile (the tracer runs the
-    op's fake kernel), and under any dispatch mode, such as selective activation checkpointing's,
-    which saves the op's outputs in the forward and hands them back in the recompute: a replay is
-    no op call it could see."""
-    return (torch.compiler.is_compiling() or _python_dispatch._get_current_dispatch_mode() is not None
-            or torch.cuda.is_current_stream_capturing())
+def op_itself_because() -> str:
+    """Why this call must run as the op itself ("" when a graph may stand in): inside another
+    capture (a caller capturing a whole step records our kernels into its own graph), under
+    torch.compile (the tracer runs the op's fake kernel), or under a dispatch mode, such as
+    selective activation checkpointing's, which saves the op's outputs in the forward and hands
+    them back in the recompute (a replay is no op call it could see)."""
+    if torch.compiler.is_compiling():
+        return "under torch.compile"
+    if _python_dispatch._get_current_dispatch_mode() is not None:
+        return "under a dispatch mode (selective activation checkpointing's)"
+    if torch.cuda.is_current_stream_capturing():
+        return "inside another CUDA graph capture"
+    return ""
 
 
 def run(graphs: CallGraphs | None, name: str, args: tuple) -> Any:
     """torch.ops.moe_comm.<name>(*args), differentiable, from `graphs` where a graph can serve
     this call (module doc), else the op itself."""
-    if graphs is None or _op_itself():
-        return getattr(torch.ops.moe_comm, name)(*args)
-    return _Graphed.apply(graphs, name, *args)
+    if graphs is not None:
+        why = op_itself_because()
+        if not why:
+            return _Graphed.apply(graphs, name, *args)
+        graphs.counts[f"op itself, {why}"] += 1
+    return getattr(torch.ops.moe_comm, name)(*args)
 
 
 def run_backward_op(ctx, name: str, args: tuple) -> Any:
     """An op a backward makes (moe_comm.kernels.ops), through the graphs its forward used."""
     graphs = getattr(ctx, "graphs", None)
     op = OPS[name]()
-    if graphs is None or _op_itself():
+    if graphs is None:
+        return op(*args)
+    why = op_itself_because()
+    if why:
+        graphs.counts[f"op itself, {why}"] += 1
         return op(*args)
     return graphs.call(op, args)
+
+
+def summary(layers: list[CallGraphs]) -> str:
+    """One line on how a process's MoE calls ran, for the run's footer ("" without graphs)."""
+    if not layers:
+        return "MoE calls ran without CUDA graphs (" + (reason_off(torch.device("cuda")) or "none built") + ")"
+    total: Counter = Counter()
+    for g in layers:
+        total.update(g.counts)
+    calls = total["replayed"] + total["captured"] + sum(v for k, v in total.items() if k.startswith(("eager", "op itself")))
+    parts = [f"{total['replayed']:,} of {calls:,} MoE calls replayed from CUDA graphs ({total['captured']:,} captured"]
+    parts += [f"{v:,} {k}" for k, v in sorted(total.items()) if k.startswith("op itself")]
+    if total["eager"]:
+        parts.append(f"{total['eager']:,} eager: " + "; ".join(sorted({g.stopped for g in layers if g.stopped})
+                                                              or ["every graph of the layer in use"]))
+    return ", ".join(parts) + ")"

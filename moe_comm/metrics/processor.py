@@ -37,7 +37,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import Color, NoColor
 
 from moe_comm import console
-from moe_comm.kernels import emulated_link
+from moe_comm.kernels import call_graphs, emulated_link
 from moe_comm.metrics import keys, naming
 from moe_comm.metrics.instrumented import instrumented_backends, SENDS_ONCE_PER_RANK, summarize
 from moe_comm.metrics.peaks import resolve_peak
@@ -332,6 +332,10 @@ class MoECommMetricsProcessor(MetricsProcessor):
         # one that ends the run.
         failure = sys.exc_info()[1]
         super().close()
+        backends = instrumented_backends()
+        if self.moe_comm.backend == "nvshmem" and backends:  # how its calls ran (moe_comm.kernels.call_graphs)
+            layers = [b.graphs for b in backends if getattr(b, "graphs", None) is not None]
+            console.show(f"moe_comm: {call_graphs.summary(layers)}")
         console.show(self._footer(failure))
         if self.wandb_sync_dir:
             console.show(f"W&B run saved offline. Upload it with: wandb sync {self.wandb_sync_dir}")
