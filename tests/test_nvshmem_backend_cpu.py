@@ -88,3 +88,11 @@ def test_rows_move_in_the_compute_dtype_under_autocast():
     bf16 = x.detach().bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert rows_in_compute_dtype(bf16) is bf16
+
+
+def test_one_host_runs_nvshmem_without_its_proxy_thread():
+    """On one host NVSHMEM's proxy thread would only spin a CPU core (the kernels bound their
+    own waits); across hosts it drives the network and must stay (moe_comm.kernels.runtime)."""
+    from moe_comm.kernels.runtime import ONE_HOST_ENV
+
+    assert ONE_HOST_ENV == {"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1"}

@@ -48,12 +48,13 @@ CASES = [
     "many_calls_changing_routing",
     "capacity_overflow_raises",
     "cuda_graph_dispatch_dispatch_combine",
+    "graphed_calls_match_eager",
     "bad_input_errors",
     "overlap_calls_in_flight",
     "overlap_layer_matches_plain",
 ]
 # What a one-GPU training step runs (EP 1: every expert on the rank), at world 1 only.
-WORLD1_CASES = ["moe_layer_ep1_against_nccl"]
+WORLD1_CASES = ["moe_layer_ep1_against_nccl", "emulated_link_holds"]
 ERROR_CASES = ["slot_overflow_raises", "hang_raises_on_every_rank"]
 # (ranks, virtual node size; 0 = the real node)
 LAYOUTS = [(1, 0), (2, 0), (4, 0), (8, 0), (2, 1), (4, 2), (4, 1), (8, 4), (8, 2)]

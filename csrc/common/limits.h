@@ -17,5 +17,7 @@ constexpr int kMaxRanks = 256;
 constexpr int kMaxRanksPerNode = 8;
 // Most nodes one EP group spans (kMaxRanks / the smallest node that spans it).
 constexpr int kMaxNodes = 32;
+// Longest one call of the emulated network link holds its SMs (internode/emulated_link.cu), in us.
+constexpr int kMaxEmulatedHoldUs = 1000000;
 
 }  // namespace moe_comm

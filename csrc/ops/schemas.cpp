@@ -14,6 +14,7 @@ TORCH_LIBRARY(moe_comm, m) {
   m.def("runtime_errors(bool clear) -> int[]");
   m.def("runtime_finalize(bool together) -> ()");
   m.def("preflight(int bytes, int iters, bool send_probes) -> Tensor");
+  m.def("emulated_link(int num_sms, int hold_ns) -> ()");
   m.def(
       "dispatch(Tensor x, Tensor topk_idx, Tensor topk_w, int num_experts, int capacity, int align, bool fp8, "
       "int num_sms, int network_sms, int[] shape) -> (Tensor recv_x, Tensor tokens_per_expert, Tensor rank_pos, "

@@ -7,9 +7,11 @@ the way back: each rank's share, then each node's, then home. On one node only t
 exists. Only the communication kernels run on the recipe's `num_sms` (`network_sms` of them
 drive the network hop); the plan, staging and expert-major layout run as local kernels over
 the whole GPU. There is no host synchronisation on the path: buffers and capacities are sized
-from the recipe, so a step can be captured in a CUDA graph. Nothing is dropped silently: a
-call that overflows a buffer, routes badly or waits past `wait_timeout_s` for a peer raises at
-the next call (or at `check_errors`), naming the field to change or the peer that did not answer.
+from the recipe, so a step can be captured in a CUDA graph, and each call replays from a graph
+of its own (moe_comm.kernels.call_graphs; MOE_COMM_CUDA_GRAPHS=0 turns that off). Nothing is
+dropped silently: a call that overflows a buffer, routes badly or waits past `wait_timeout_s`
+for a peer raises at the next call (or at `check_errors`), naming the field to change or the
+peer that did not answer.
 """
 
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from moe_comm.backends.base import (
 )
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
-from moe_comm.kernels import capacity
+from moe_comm.kernels import call_graphs, capacity, emulated_link
 from moe_comm.kernels.limits import LIMITS
 from moe_comm.kernels.runtime import NvshmemRuntime, RuntimeRequest, load_library
 
@@ -180,6 +182,11 @@ class NvshmemBackend(CommBackend):
         load_library(ep_group)
         self.runtime: NvshmemRuntime | None = None
         self.capacity = 0  # expert rows of the last dispatch
+        # this layer's calls replayed from CUDA graphs (moe_comm.kernels.call_graphs), unless off
+        off = call_graphs.reason_off(torch.device("cuda"))
+        self.graphs = None if off else call_graphs.CallGraphs(f"nvshmem backend, EP rank {self.ep_rank}")
+        # a benchmark's emulated network link at EP 1 (moe_comm.kernels.emulated_link), else None
+        self.emulated_link = emulated_link.for_backend(self.ep_size)
 
     @property
     def network_sms(self) -> int:
@@ -254,13 +261,15 @@ class NvshmemBackend(CommBackend):
                                              self.config.recv_capacity_factor, align)
         topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
         topk_w_TK = topk_w_TK.to(torch.float32).contiguous()
-        recv_x_RD, tokens_per_expert_L, *handle = torch.ops.moe_comm.dispatch(
+        recv_x_RD, tokens_per_expert_L, *handle = call_graphs.run(self.graphs, "dispatch", (
             x_TD.contiguous(), topk_idx_TK, topk_w_TK, self.layer.num_experts, self.capacity, align,
             self.config.dispatch_dtype == "fp8", self.config.num_sms, self.network_sms, sizes.shape,
-        )
+        ))
+        recv_x_RD = emulated_link.hold(recv_x_RD, self.emulated_link, "dispatch", x_TD.shape[0], self.config.num_sms)
         return DispatchResult(recv_x_RD, tokens_per_expert_L, NvshmemHandle(topk_w_TK, tuple(handle)))
 
     def combine(self, y_RD: torch.Tensor, handle: NvshmemHandle) -> torch.Tensor:
-        return torch.ops.moe_comm.combine(
+        out_TD = call_graphs.run(self.graphs, "combine", (
             y_RD.contiguous(), handle.topk_w_TK, *handle.tensors, True, self.config.num_sms, self.network_sms,
-        )
+        ))
+        return emulated_link.hold(out_TD, self.emulated_link, "combine", out_TD.shape[0], self.config.num_sms)

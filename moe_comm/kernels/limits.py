@@ -18,12 +18,14 @@ class KernelLimits:
     max_ranks: int
     max_ranks_per_node: int
     max_nodes: int
+    max_emulated_hold_us: int  # one call of the emulated link (moe_comm.kernels.emulated_link)
 
 
 def _read(header: Path = HEADER) -> KernelLimits:
     values = {m[1]: int(m[2]) for m in re.finditer(r"constexpr int k(\w+) = (\d+);", header.read_text())}
     names = {"MaxTopK": "max_top_k", "MaxExperts": "max_experts", "MaxRanks": "max_ranks",
-             "MaxRanksPerNode": "max_ranks_per_node", "MaxNodes": "max_nodes"}
+             "MaxRanksPerNode": "max_ranks_per_node", "MaxNodes": "max_nodes",
+             "MaxEmulatedHoldUs": "max_emulated_hold_us"}
     missing = sorted(set(names) - set(values))
     if missing:
         raise RuntimeError(f"{header} does not define {', '.join('k' + n for n in missing)}")

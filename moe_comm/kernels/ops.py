@@ -8,9 +8,14 @@ weights and returning the weights' gradients. Both take the SM budget (`num_sms`
 every shape from the ops' arguments (`shape` = [world, local_size, fwd_slots, net_slots]), so
 they need no runtime state. TorchTitan's selective activation checkpointing keeps both ops'
 outputs (moe_comm.titan puts them on its save list), so recomputation never communicates again.
+A forward that ran through a layer's CUDA graphs (moe_comm.kernels.call_graphs) runs its
+backward op through them too.
 """
 
 import torch
+
+from moe_comm.kernels import call_graphs
+
 
 @torch.library.register_fake("moe_comm::dispatch")
 def _dispatch_fake(x, topk_idx, topk_w, num_experts, capacity, align, fp8, num_sms, network_sms, shape):
@@ -56,8 +61,8 @@ def _dispatch_setup(ctx, inputs, output):
 
 def _dispatch_backward(ctx, grad_recv_x, *_):
     topk_w, *handle = ctx.saved_tensors
-    grad_x = torch.ops.moe_comm.combine(
-        grad_recv_x.contiguous(), topk_w, *handle, False, ctx.num_sms, ctx.network_sms,
+    grad_x = call_graphs.run_backward_op(
+        ctx, "combine", (grad_recv_x.contiguous(), topk_w, *handle, False, ctx.num_sms, ctx.network_sms),
     )
     return (grad_x,) + (None,) * 9
 
@@ -72,8 +77,8 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_backward(ctx, grad_out):
     y, *handle = ctx.saved_tensors
-    grad_y, grad_w = torch.ops.moe_comm.combine_backward(
-        grad_out.contiguous(), y, *handle, ctx.num_sms, ctx.network_sms,
+    grad_y, grad_w = call_graphs.run_backward_op(
+        ctx, "combine_backward", (grad_out.contiguous(), y, *handle, ctx.num_sms, ctx.network_sms),
     )
     return (grad_y, grad_w) + (None,) * 11
 

@@ -16,6 +16,14 @@ the EP group and equally many per host (TorchTitan's meshes place them so); `[mo
 virtual_node_size` splits a host into smaller nodes, so the inter-node protocol runs between
 ranks of one machine. The NVSHMEM transport follows: none on one host (no InfiniBand probing),
 the cluster's (NVSHMEM_REMOTE_TRANSPORT from the platform env file) on several.
+
+On one host NVSHMEM's proxy thread is turned off too (`ONE_HOST_ENV`). There it serves only
+NVSHMEM's own device-side wait timeouts and global exit, neither of which the kernels use (their
+waits are bounded by wait_timeout_s), and it spins on one CPU core without pause for the life of
+the process (nvshmemi_proxy_progress_minimal), taking that core from the training process's
+own threads: the Python thread that issues every kernel, the autograd thread, the data loader
+(results/h200x1/README.md, host time). Across hosts the proxy drives the network transport and
+stays.
 """
 
 import atexit
@@ -41,6 +49,8 @@ INIT_TIMEOUT_S = float(os.environ.get("MOE_COMM_INIT_TIMEOUT", "180"))
 TEARDOWN_DECISION_TIMEOUT_S = 5.0
 # Headroom on top of what the buffers need: NVSHMEM keeps some of the heap for itself.
 HEAP_HEADROOM_BYTES = 256 << 20
+# What NVSHMEM gets when the EP group is on one host (set unless the environment sets it).
+ONE_HOST_ENV = {"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1"}
 NETWORK_TRANSPORTS = ("ibrc", "ibgda", "ucx", "libfabric", "ibdevx")
 
 _library_loaded = False
@@ -159,8 +169,9 @@ class NvshmemRuntime:
                 f"({s.tokens} tokens x {s.row_bytes} bytes, {self.world} ranks); unset it or raise it"
             )
         transport = os.environ.get("NVSHMEM_REMOTE_TRANSPORT")
-        if self.layout.hosts == 1:
-            os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one host: no InfiniBand probing
+        if self.layout.hosts == 1:  # no InfiniBand probing, no proxy thread (module doc)
+            for name, value in ONE_HOST_ENV.items():
+                os.environ.setdefault(name, value)
         elif transport is None or transport.lower() not in NETWORK_TRANSPORTS:
             raise RuntimeError(
                 f"the EP group spans {self.layout.hosts} hosts but NVSHMEM_REMOTE_TRANSPORT={transport!r}; set it "

@@ -23,6 +23,7 @@ backend, that records per MoE layer
 - routing: routed rows per expert (device tensor, for token imbalance) and rows that leave this
   rank (device tensor, for bytes), from topk_idx_TK with scatter/sum kernels, never `.item()`.
   Counted in the first forward only (not in recomputation); backward bytes equal forward bytes.
+  At EP 1 no row can leave the rank, so none are counted there (no kernels for a known zero).
 
 - start-up: the process's first dispatch is where a backend starts its runtime (NVSHMEM
   initialisation and symmetric buffers for nvshmem); its wall time is reported on step 1's
@@ -286,21 +287,21 @@ class InstrumentedBackend:
             return self.backend.dispatch(x_TD, topk_idx_TK, topk_w_TK)
         self.stats.calls += 1
         nbytes = None
+        self._last_rows = None
         if self._first_forward():
             rows_E = rows_per_expert(topk_idx_TK, self.layer.num_experts)
-            self._last_rows = rows_leaving_rank(
-                topk_idx_TK,
-                rows_E,
-                self.ep_rank,
-                self.num_local_experts,
-                self.ep_size,
-                self.sends_once_per_rank,
-            )
             self.stats.add_rows_per_expert(rows_E)
-            nbytes = self._bytes(self._last_rows, x_TD)
-            self.stats.add_bytes("dispatch_fwd", nbytes)
-        else:
-            self._last_rows = None
+            if self.ep_size > 1:
+                self._last_rows = rows_leaving_rank(
+                    topk_idx_TK,
+                    rows_E,
+                    self.ep_rank,
+                    self.num_local_experts,
+                    self.ep_size,
+                    self.sends_once_per_rank,
+                )
+                nbytes = self._bytes(self._last_rows, x_TD)
+                self.stats.add_bytes("dispatch_fwd", nbytes)
         backward = _BackwardInterval(self.stats, "dispatch_bwd", nbytes)
         if x_TD.requires_grad:
             x_TD = _OnBackward.apply(x_TD, backward.end)

@@ -37,6 +37,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import Color, NoColor
 
 from moe_comm import console
+from moe_comm.kernels import call_graphs, emulated_link
 from moe_comm.metrics import keys, naming
 from moe_comm.metrics.instrumented import instrumented_backends, SENDS_ONCE_PER_RANK, summarize
 from moe_comm.metrics.peaks import resolve_peak
@@ -127,6 +128,13 @@ class MoECommMetricsProcessor(MetricsProcessor):
             keys.SEQ_LEN: job_config.training.seq_len,
             keys.SENDS_PER: "rank" if self.moe_comm.backend in SENDS_ONCE_PER_RANK else "expert",
         }
+        # a benchmark's emulated network link: the nvshmem backend runs one at EP 1 (and refuses
+        # one at EP > 1); another backend ignores the setting, which the header says
+        link = emulated_link.from_environ()
+        self.emulated_link = link if self.moe_comm.backend == "nvshmem" else None
+        self.emulated_link_ignored = link is not None and self.emulated_link is None
+        if self.emulated_link is not None:
+            self.static_fields[keys.EMULATED_LINK] = self.emulated_link.describe()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.metrics_rank = _get_metrics_rank(parallel_dims, job_config)
         self.is_metrics_rank = self.rank == self.metrics_rank
@@ -210,6 +218,11 @@ class MoECommMetricsProcessor(MetricsProcessor):
             f"moe_comm: {self.static_fields[keys.RECIPE]}, backend {backend}, "
             f"{pd.world_size} x {device} ({layout}), {jc.training.steps} steps"
         )
+        if self.emulated_link is not None:
+            run += f"; EMULATED network: {self.emulated_link.label()}"
+        elif self.emulated_link_ignored:
+            run += (f"; {emulated_link.ENV} is set but backend {self.moe_comm.backend} emulates no link (only "
+                    "nvshmem at EP 1 does): its comm is its own")
         if device == "CPU":
             mfu = "MFU n/a on CPU"
         elif not self.peak.known:
@@ -309,6 +322,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
             comm_note=note,
             pp_stage=(self.stages.rank, self.stages.size) if self.stages else None,
             first_step=console.watch.summary() if len(self._losses) == 0 else "",
+            emulated_link=self.emulated_link is not None,
         )
 
     def close(self):
@@ -318,6 +332,10 @@ class MoECommMetricsProcessor(MetricsProcessor):
         # one that ends the run.
         failure = sys.exc_info()[1]
         super().close()
+        backends = instrumented_backends()
+        if self.moe_comm.backend == "nvshmem" and backends:  # how its calls ran (moe_comm.kernels.call_graphs)
+            layers = [b.graphs for b in backends if getattr(b, "graphs", None) is not None]
+            console.show(f"moe_comm: {call_graphs.summary(layers)}")
         console.show(self._footer(failure))
         if self.wandb_sync_dir:
             console.show(f"W&B run saved offline. Upload it with: wandb sync {self.wandb_sync_dir}")

@@ -8,7 +8,8 @@ the loss, gradient norm, tokens/s and memory are TorchTitan's own numbers; the M
 moe_comm.metrics.peaks defines (named with its peak and dtype, so a float8 run's figure reads
 as what it is); dispatch/combine are this rank's MoE comm (forward + backward, all its MoE
 layers) and the share of the step the compute stream spent inside them, or under an overlap
-waiting for them, with the share of the comm time hidden beside it. Under pipeline
+waiting for them, with the share of the comm time hidden beside it (and "emulated link" when a
+benchmark ran the comm over one: moe_comm.kernels.emulated_link). Under pipeline
 parallelism the line names the rank's pipeline rank (`pp1 of 8`): the comm is that rank's
 stages', the loss the last stage's.
 """
@@ -49,6 +50,7 @@ class StepLine:
     hidden_pct: float | None = None  # under an overlap: share of the comm time hidden
     pp_stage: tuple[int, int] | None = None  # (this rank's pipeline rank, pipeline degree)
     first_step: str = ""  # one-time work inside this step (torch.compile, backend start-up)
+    emulated_link: bool = False  # the comm ran over an emulated network link (a benchmark's)
 
     def format(self, color=NoColor()) -> str:
         c = color
@@ -72,6 +74,7 @@ class StepLine:
             parts.append(f"{c.cyan}comm n/a ({self.comm_note}){c.reset}")
         else:
             hidden = "" if self.hidden_pct is None else f", {self.hidden_pct:.0f}% hidden"
+            hidden += ", emulated link" if self.emulated_link else ""
             parts.append(
                 f"{c.cyan}dispatch {self.dispatch_ms:.1f}ms combine {self.combine_ms:.1f}ms "
                 f"({self.comm_pct:.1f}% of step{hidden}){c.reset}"

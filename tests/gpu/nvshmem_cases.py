@@ -227,6 +227,46 @@ class Cases:
             scale = max(want.abs().max().item(), 1e-6)
             assert err <= 3e-2 * scale, f"{what}: nvshmem differs from the nccl path by {err} (scale {scale})"
 
+    def emulated_link_holds(self, hidden, num_experts, top_k):
+        """World 1: with MOE_COMM_EMULATED_LINK set, a dispatch holds the dispatch time, a combine
+        the combine time, their backwards the other kind's, a half call half of it; each call
+        timed between CUDA events on its stream (the hold within 10% + 50 us above its time)."""
+        import os
+
+        from moe_comm.kernels import emulated_link
+
+        T = 256
+        os.environ[emulated_link.ENV] = f"dispatch_us=3000,combine_us=1500,tokens={T}"
+        try:
+            backend = self.backend(num_experts, top_k, hidden)
+        finally:
+            del os.environ[emulated_link.ENV]
+        assert backend.emulated_link is not None
+        backend.graphs = None  # a first call's capture would sit between the events as host time
+
+        def timed(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return out, start.elapsed_time(end) * 1e3
+
+        def near(us, want, what):
+            assert want <= us <= 1.1 * want + 50, f"{what} took {us:.0f} us, the link holds {want} us"
+
+        g = torch.Generator().manual_seed(3)
+        for tokens, share in ((T, 1.0), (T // 2, 0.5)):
+            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(self.device).requires_grad_(True)
+            idx, w = self.route(tokens, num_experts, top_k, "random", g)
+            res, us = timed(lambda: backend.dispatch(x, idx, w))
+            near(us, 3000 * share, f"a dispatch of {tokens} tokens")
+            out, us = timed(lambda: backend.combine(res.recv_x_RD * 1.0, res.handle))
+            near(us, 1500 * share, f"a combine of {tokens} tokens")
+            _, us = timed(lambda: out.float().sum().backward())
+            near(us, 4500 * share, f"the backward of both ({tokens} tokens)")
+        backend.check_errors(synchronize=True)
+
     def grad_padding_zero(self, num_tokens, hidden, num_experts, top_k):
         """The expert outputs' gradient is zero on every segment's alignment padding: the
         grouped GEMM's weight gradient X^T dY reads those rows, and 0 x NaN is NaN. The block
@@ -235,6 +275,7 @@ class Cases:
         x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
         idx, w = self.route(num_tokens, num_experts, top_k, "random", g)
         backend = self.backend(num_experts, top_k, hidden)
+        backend.graphs = None  # eager: grad_y comes from the caching allocator, where the poison is
         res = backend.dispatch(x, idx, w)
         y = res.recv_x_RD.detach().clone().requires_grad_(True)
         out = backend.combine(y, res.handle)
@@ -280,6 +321,63 @@ class Cases:
                 errors.append(f"call {i}: error {err}")
         backend.check_errors(synchronize=True)
         assert not errors, errors
+
+    def graphed_calls_match_eager(self, hidden, num_experts, top_k, calls):
+        """Every call through the layer's CUDA graphs gives the bits the same call gives eagerly:
+        forward (received rows, counts, combined output) and backward (grad x, grad of the
+        routing weights), `calls` calls in a row with fresh routing. The inputs sit in fixed
+        buffers, as a training step's do, so the graphs replay; every third call keeps the
+        previous call's outputs alive, which must get a second instance and stay untouched. The
+        eager path is first checked against itself (the kernels are deterministic)."""
+        eager = self.backend(num_experts, top_k, hidden)
+        eager.graphs = None
+        graphed = self.backend(num_experts, top_k, hidden)
+        assert graphed.graphs is not None, "graphs are off in this process (MOE_COMM_CUDA_GRAPHS=0?)"
+        T = 384
+        x = torch.empty(T, hidden, dtype=torch.bfloat16, device=self.device)
+        idx = torch.empty(T, top_k, dtype=torch.int64, device=self.device)
+        w = torch.empty(T, top_k, dtype=torch.float32, device=self.device)
+        grad_out = torch.empty(T, hidden, dtype=torch.bfloat16, device=self.device)
+
+        def step(backend):
+            xx = x.detach().requires_grad_(True)  # the same memory every call
+            ww = w.detach().requires_grad_(True)
+            res = backend.dispatch(xx, idx, ww)
+            y = res.recv_x_RD * 1.5  # the "experts"
+            out = backend.combine(y, res.handle)
+            (out.float() * grad_out.float()).sum().backward()
+            n = int(res.tokens_per_expert_L.sum())
+            got = {"rows": res.recv_x_RD[:n].clone(), "counts": res.tokens_per_expert_L.clone(),
+                   "out": out.detach().clone(), "grad x": xx.grad.clone(), "grad w": ww.grad.clone()}
+            return got, res
+
+        errors, kept = [], None
+        for i in range(calls):
+            g = torch.Generator().manual_seed(5000 + 17 * i + self.rank)
+            x.copy_(torch.randn(T, hidden, generator=g))
+            i2, w2 = self.route(T, num_experts, top_k, ("random", "zipf", "every_node")[i % 3], g)
+            idx.copy_(i2)
+            w.copy_(w2)
+            grad_out.copy_(torch.randn(T, hidden, generator=g))
+            want, _ = step(eager)
+            if i == 0:
+                again, _ = step(eager)
+                assert all(torch.equal(want[k], again[k]) for k in want), "the eager calls differ from themselves"
+            have, res = step(graphed)
+            for k in want:
+                if not torch.equal(want[k], have[k]):
+                    errors.append(f"call {i}: {k} differs from the eager call")
+            if kept is not None:
+                recv, value = kept
+                if not torch.equal(recv, value):
+                    errors.append(f"call {i}: a live output of the previous call was rewritten")
+            kept = (res.recv_x_RD, res.recv_x_RD.clone()) if i % 3 == 0 else None
+            del res
+        graphed.check_errors(synchronize=True)
+        counts = dict(graphed.graphs.counts)
+        assert not errors, errors[:10]
+        # four calls per step (dispatch, combine and their backwards): from the second step on they replay
+        assert counts.get("replayed", 0) >= calls and not graphed.graphs.stopped, counts
 
     def capacity_overflow(self):
         """Every token to rank 0's first two experts with expert rows for 1x the balanced load
@@ -461,11 +559,13 @@ def main():
         log.run("many_calls_changing_routing", c.many_calls, 2048, 32 * W, 8, 20)
         log.run("capacity_overflow_raises", c.capacity_overflow)
         log.run("cuda_graph_dispatch_dispatch_combine", c.cuda_graph, 2048, 16 * W, 8)
+        log.run("graphed_calls_match_eager", c.graphed_calls_match_eager, 2048, 16 * W, 8, 24)
         log.run("bad_input_errors", c.bad_input)
         log.run("overlap_calls_in_flight", c.overlap_calls_in_flight, 2048, 16 * W, 8, 30)
         log.run("overlap_layer_matches_plain", c.overlap_layer)
         if W == 1:
             log.run("moe_layer_ep1_against_nccl", c.moe_layer_ep1_against_nccl, 1024, 2048, 16, 4, 21)
+            log.run("emulated_link_holds", c.emulated_link_holds, 2048, 16, 8)
     merged = log.merged()
     error_at = [None] * c.world
     dist.all_gather_object(error_at, getattr(c, "error_at", None))
