@@ -292,12 +292,14 @@ def _profiled(events) -> dict:
         phase = r.name[len(RANGE):]
         inside = lambda e: r.time_range.start <= e.time_range.start < r.time_range.end  # noqa: E731
         mine = [e for e in syncs if inside(e)]
-        d = out.setdefault(phase, {"calls": 0, "sync_counts": [], "by_api": Counter(), "waits_us": [], "host_us": [],
-                                   "op_self_us": defaultdict(list)})
+        d = out.setdefault(phase, {"calls": 0, "sync_counts": [], "by_api": Counter(), "waits_us": [],
+                                   "wait_per_call_us": [], "host_us": [], "op_self_us": defaultdict(list)})
+        waits = [e.time_range.end - e.time_range.start for e in mine]
         d["calls"] += 1
         d["sync_counts"].append(len(mine))
         d["by_api"].update(e.name for e in mine)
-        d["waits_us"] += [e.time_range.end - e.time_range.start for e in mine]
+        d["waits_us"] += waits
+        d["wait_per_call_us"].append(sum(waits))
         d["host_us"].append(r.time_range.end - r.time_range.start)
         for e in ops:
             if inside(e) and e.time_range.end <= r.time_range.end:
@@ -374,7 +376,8 @@ def worker(case: str, out: Path, shape: dict, iters: int, warmup: int) -> None:
         for _ in range(census_calls):
             one_call(backend, counted, x, idx, w, grad)
     sync()
-    result = {"rank": rank, "world": world, "device": str(device), "phases": {}}
+    result = {"rank": rank, "world": world, "device": str(device), "phases": {},
+              "device_name": torch.cuda.get_device_name(device) if on_gpu else "CPU"}
     for phase in PHASES:
         sites = {site: n / census_calls for site, n in sorted(census.found[phase].items())}
         result["phases"][phase] = {"census": {"per_call": sum(sites.values()), "sites": sites}}
@@ -417,8 +420,7 @@ def _gpu_phase(normal: dict | None, probed: dict | None) -> dict:
         "cuda_sync_calls": {"per_call": statistics.median(normal["sync_counts"]),
                             "by_api": {k: v / calls for k, v in normal["by_api"].items()},
                             "wait_us": _stats(normal["waits_us"]),
-                            "wait_us_per_call": statistics.median(
-                                [sum(normal["waits_us"][i::calls]) for i in range(calls)]) if normal["waits_us"] else 0.0},
+                            "wait_us_per_call": statistics.median(normal["wait_per_call_us"])},
         "host_us": _stats(normal["host_us"]),
     }
     outside = None
@@ -496,7 +498,7 @@ def run(args) -> int:
     cases = args.cases or list(CASES)
     shape = dict(SHAPE, tokens=args.tokens, hidden=args.hidden, experts=args.experts, top_k=args.top_k)
     doc = {"schema": SCHEMA, "command": args.command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
+           "torch": torch.__version__, "device": "CPU",  # a GPU case's rank 0 names its GPU (no context here)
            "shape": shape, "num_sms": NUM_SMS, "sleep_ms": SLEEP_MS, "cases": {}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -529,6 +531,8 @@ def run(args) -> int:
                              log_tail=(proc.stdout + proc.stderr)[-4000:])
             else:
                 entry.update(status="ok", summary=_summary(ranks, spec.device == "cpu"), per_rank=ranks)
+                if spec.device == "cuda":
+                    doc["device"] = ranks[0]["device_name"]
             doc["cases"][name] = entry
             print(f"[host_syncs] {name}: {entry['status']} in {entry['seconds']} s", flush=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")

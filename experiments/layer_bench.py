@@ -1015,6 +1015,7 @@ def run(args) -> int:
         kept = {(q["case"], q["name"]) for q in prev["parts"] if q.get("status") == "ok"}
         prev["parts"] = [q for q in prev["parts"] if (q["case"], q["name"]) in kept]
         prev["cases"].update(doc["cases"])
+        prev["documents"] = doc["documents"]
         prev["resumed_by"].append({"command": args.command, "date": now, "machine": info, "ceilings": ceil})
         run_index = len(prev["resumed_by"])
         doc = prev

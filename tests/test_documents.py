@@ -109,3 +109,14 @@ def test_measure_tokenises_as_torchtitans_loader(tmp_path):
     assert documents.load_measured(out)["mini"].lengths == dist.lengths
     with pytest.raises(ValueError, match="either measured lengths or a lognormal"):
         documents.DocumentLengths("bad", "x")
+
+
+def test_pairs_per_sequence():
+    fixed = documents.DocumentLengths("fixed", "test", lengths=(512,))
+    # every window of 4097 stream tokens starts somewhere in a 512-token document: pieces of 512
+    # and the two ends; their pairs lie between 8 whole documents' and one fewer plus the ends
+    pairs = documents.pairs_per_sequence(fixed, 4096)
+    assert 7 * 512 * 513 / 2 < pairs <= 8 * 512 * 513 / 2
+    c4 = documents.pairs_per_sequence(documents.C4_EN, 4096)
+    assert c4 < 4096 * 4097 / 2 / 4  # far below one causal document
+    assert c4 == documents.pairs_per_sequence(documents.C4_EN, 4096)  # fixed seed

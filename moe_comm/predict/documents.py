@@ -145,6 +145,13 @@ def kept_pairs(pieces: list[tuple[int, bool]]) -> int:
     return sum(d * (d + 1) // 2 for d, _ in pieces)
 
 
+def pairs_per_sequence(dist: DocumentLengths, seq_len: int, samples: int = 256, seed: int = 0) -> float:
+    """The (query, key) pairs block-causal attention keeps in a packed sequence of `seq_len`
+    tokens, on average over `samples` sequences drawn with a fixed seed: what attention's work
+    follows (one causal document keeps seq_len (seq_len + 1) / 2)."""
+    return statistics.fmean(kept_pairs(p) for p in packed(dist, samples, seq_len, seed))
+
+
 def token_batch(pieces_per_sequence: list[list[tuple[int, bool]]], eos_id: int, filler_id: int):
     """A [sequences, seq_len] int64 token batch with `eos_id` where a document ends and
     `filler_id` elsewhere: the input TorchTitan's mask builders read (they look at EOS only)."""
