@@ -166,8 +166,12 @@ def markdown(doc: dict) -> str:
     lines += ["", "Median over the first and second half of the steps (the bias converging): " + "; ".join(
         f"EP {ep}: {e['halves']['first']:.3f} -> {e['halves']['second']:.3f}" for ep, e in a["ep"].items()
         if e["derivable"] and e["halves"]["first"] is not None) + ".", "",
-        "Not captured: a flagship rank at EP 32 sums 8 experts where the measured rank has 1 (the mapping leans "
-        "pessimistic there); one step here routes fewer tokens than one flagship dispatch (see the floor)."]
+        "Not captured: " + "; ".join(
+            f"a flagship rank at EP {ep} sums {e['flagship_experts_per_rank']} experts where the measured one has "
+            f"{e['measured_experts_per_rank']:g}" for ep, e in a["ep"].items() if e["derivable"]
+            and e["flagship_experts_per_rank"] > e["measured_experts_per_rank"])
+        + " (independent skews would partly average out over more experts: the mapping leans pessimistic); one "
+        "step here routes fewer tokens than one flagship dispatch (see the floor)."]
     return "\n".join(lines) + "\n"
 
 
