@@ -233,7 +233,8 @@ class Phases:
 
     def end(self, phase: str) -> None:
         t0, rf, pushed = self._open.pop(phase)
-        self.host_ms[phase].append(1e3 * (time.perf_counter() - t0))
+        if self.probe in (None, phase):  # under the probe, only the phase the sleep was queued before
+            self.host_ms[phase].append(1e3 * (time.perf_counter() - t0))
         if rf is not None:
             rf.__exit__(None, None, None)
         if self.census is not None:
@@ -382,39 +383,64 @@ def worker(case: str, out: Path, shape: dict, iters: int, warmup: int) -> None:
         sites = {site: n / census_calls for site, n in sorted(census.found[phase].items())}
         result["phases"][phase] = {"census": {"per_call": sum(sites.values()), "sites": sites}}
     if on_gpu:
-        from torch.profiler import profile, ProfilerActivity
-
-        timed = Phases(None, device)
-        timed.profile = True
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                one_call(backend, timed, x, idx, w, grad)
-            sync()
-        normal = _profiled(prof.events())
-        probe = Phases(None, device)
-        probe.profile = True
-        probe.sleep_cycles = _sleep_cycles(SLEEP_MS)
-        probed = {}
-        for phase in PHASES:
-            probe.probe = phase
-            dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(2):
-                    one_call(backend, probe, x, idx, w, grad)
-                    sync()
-            probed[phase] = _profiled(prof.events()).get(phase)
-        for phase in PHASES:
-            result["phases"][phase].update(_gpu_phase(normal.get(phase), probed.get(phase)))
+        result["phases"] = _gpu_passes(backend, device, x, idx, w, grad, iters, result["phases"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _gpu_phase(normal: dict | None, probed: dict | None) -> dict:
-    if normal is None:
-        return {"cuda_sync_calls": None, "note": "phase not seen by the profiler"}
+def _gpu_passes(backend, device, x, idx, w, grad, iters: int, phases: dict) -> dict:
+    """The GPU instruments: host time per phase, the blocking probe (perf_counter, no profiler),
+    then the profiler's CUDA sync calls with and without the probe. A profiler that cannot run
+    (CUPTI under MPS, say) is recorded, and the counts fall back to the census plus what the
+    probe shows."""
+    def calls(ph: Phases, n: int, each_sync: bool = False):
+        dist.barrier()
+        for _ in range(n):
+            one_call(backend, ph, x, idx, w, grad)
+            if each_sync:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+
+    plain = Phases(None, device)
+    calls(plain, iters)
+    probe = Phases(None, device)
+    probe.sleep_cycles = _sleep_cycles(SLEEP_MS)
+    for phase in PHASES:
+        probe.probe = phase
+        calls(probe, 2, each_sync=True)
+    normal, probed, failure = {}, {}, None
+    try:
+        from torch.profiler import profile, ProfilerActivity
+
+        for ph, name in ((Phases(None, device), None), *((Phases(None, device), p) for p in PHASES)):
+            ph.profile, ph.probe, ph.sleep_cycles = True, name, probe.sleep_cycles
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                calls(ph, iters if name is None else 2, each_sync=name is not None)
+            seen = _profiled(prof.events())
+            if name is None:
+                normal = seen
+            else:
+                probed[name] = seen.get(name)
+    except Exception as e:  # noqa: BLE001 - recorded; the census and the probe still stand
+        failure = f"{type(e).__name__}: {e}"[:300]
+    for phase in PHASES:
+        host = {k: statistics.median(ph.host_ms[phase]) for k, ph in (("plain", plain), ("probe", probe))}
+        added = host["probe"] - host["plain"]
+        phases[phase].update(host_ms=host, probe={"sleep_ms": SLEEP_MS, "host_ms_added": added,
+                                                  "blocks_host": added >= 0.5 * SLEEP_MS})
+        if failure or normal.get(phase) is None:
+            census = phases[phase]["census"]["per_call"]
+            extra = 1 if phases[phase]["probe"]["blocks_host"] and census == 0 else 0
+            phases[phase].update(profiler=failure or "phase not seen by the profiler", syncs_per_call=census + extra,
+                                 counted_by="census" + (" + 1 for the probe's wait outside Python" if extra else ""))
+        else:
+            phases[phase].update(_gpu_phase(normal[phase], probed.get(phase), phases[phase]["probe"]))
+    return phases
+
+
+def _gpu_phase(normal: dict, probed: dict | None, probe: dict) -> dict:
     calls = normal["calls"]
     entry = {
         "cuda_sync_calls": {"per_call": statistics.median(normal["sync_counts"]),
@@ -424,23 +450,18 @@ def _gpu_phase(normal: dict | None, probed: dict | None) -> dict:
         "host_us": _stats(normal["host_us"]),
     }
     outside = None
-    if probed is not None:
-        host_normal = statistics.median(normal["host_us"])
-        host_probe = statistics.median(probed["host_us"])
-        blocked_ms = (host_probe - host_normal) / 1e3
-        blocks = blocked_ms >= 0.5 * SLEEP_MS
+    if probe["blocks_host"] and probed is not None:
         api_max = max(probed["waits_us"], default=0.0) / 1e3
-        probe = {"sleep_ms": SLEEP_MS, "host_ms_added": blocked_ms, "blocks_host": blocks,
-                 "absorbed_by_cuda_sync_call": blocks and api_max >= 0.5 * SLEEP_MS}
-        if blocks and not probe["absorbed_by_cuda_sync_call"]:
+        probe["absorbed_by_cuda_sync_call"] = api_max >= 0.5 * SLEEP_MS
+        if not probe["absorbed_by_cuda_sync_call"]:
             grown = {op: statistics.median(t) - statistics.median(normal["op_self_us"].get(op, [0.0]))
                      for op, t in probed["op_self_us"].items()}
             op = max(grown, key=grown.get) if grown else "?"
             outside = {"op": op, "grew_ms": grown.get(op, 0.0) / 1e3,
                        "self_cpu_us": _stats(normal["op_self_us"].get(op, []))}
             probe["wait_outside_cuda_api"] = outside
-        entry["probe"] = probe
     entry["syncs_per_call"] = entry["cuda_sync_calls"]["per_call"] + (1 if outside else 0)
+    entry["counted_by"] = "CUDA sync calls" + (" + the probe's wait outside the CUDA API" if outside else "")
     return entry
 
 
@@ -478,6 +499,9 @@ def _summary(ranks: list[dict], census_only: bool) -> dict:
         else:
             waits = [p for p in per if p.get("cuda_sync_calls")]
             s["syncs_per_call"] = max(p.get("syncs_per_call", 0) for p in per)
+            s["counted_by"] = sorted({p.get("counted_by", "") for p in per})
+            s["host_ms"] = max(p["host_ms"]["plain"] for p in per)
+            s["profiler"] = next((p["profiler"] for p in per if p.get("profiler")), "ok")
             all_waits = [w for p in waits for w in ([p["cuda_sync_calls"]["wait_us"]["median"]]
                                                    if p["cuda_sync_calls"]["wait_us"] else [])]
             s["cuda_sync_wait_us"] = {"median_over_ranks": statistics.median(all_waits) if all_waits else None,
@@ -487,8 +511,9 @@ def _summary(ranks: list[dict], census_only: bool) -> dict:
             s["wait_us_per_call"] = max((p["cuda_sync_calls"]["wait_us_per_call"] for p in waits), default=None)
             outside = [p["probe"]["wait_outside_cuda_api"] for p in per if p.get("probe", {}).get("wait_outside_cuda_api")]
             if outside:
-                s["wait_outside_cuda_api"] = {"op": outside[0]["op"], "self_cpu_us_median": statistics.median(
-                    [o["self_cpu_us"]["median"] for o in outside if o["self_cpu_us"]])}
+                costs = [o["self_cpu_us"]["median"] for o in outside if o["self_cpu_us"]]
+                s["wait_outside_cuda_api"] = {"op": outside[0]["op"],
+                                              "self_cpu_us_median": statistics.median(costs) if costs else None}
             s["blocks_host"] = any(p.get("probe", {}).get("blocks_host") for p in per)
         out[phase] = s
     return out
@@ -552,21 +577,27 @@ def report(doc: dict) -> str:
     s = doc["shape"]
     lines = [f"Host synchronisations per call, {doc['device']}, torch {doc['torch']}, {doc['date'][:10]}; shape: "
              f"{s['tokens']} tokens per rank, hidden {s['hidden']}, {s['experts']} experts, top-{s['top_k']}, "
-             f"{s['routing']} routing. Command: `{doc['command']}`.", "",
-             "| case | phase | syncs / call | CUDA sync wait µs (median / mean) | wait µs per call | outside the CUDA API "
-             "| census (call sites) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"{s['routing']} routing. Command: `{doc['command']}`. The probe: does a {doc['sleep_ms']:g} ms GPU "
+             "sleep queued before the phase hold up its host call (and where, when no CUDA sync call took it).", "",
+             "| case | phase | syncs / call | CUDA sync wait µs (median / mean) | wait µs per call | probe | host ms "
+             "| census (call sites) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    fmt = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
     for name, c in doc["cases"].items():
         if c["status"] != "ok":
-            lines.append(f"| {name} | {c['status']}: {c.get('reason', '')} | | | | | |")
+            lines.append(f"| {name} | {c['status']}: {c.get('reason', '')} | | | | | | |")
             continue
         for phase, p in c["summary"].items():
             w = p.get("cuda_sync_wait_us") or {}
-            fmt = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
             outside = p.get("wait_outside_cuda_api")
+            probe = ("-" if "blocks_host" not in p else
+                     f"waits, outside the CUDA API: {outside['op']} ({fmt(outside['self_cpu_us_median'])} µs self CPU)"
+                     if outside else "waits" if p["blocks_host"] else "no wait")
+            if p.get("profiler", "ok") != "ok":
+                probe += f"; profiler: {p['profiler']}"
             lines.append(
                 f"| {name} | {phase} | {p['syncs_per_call']:g} | {fmt(w.get('median_over_ranks'))} / "
-                f"{fmt(w.get('mean_over_ranks'))} | {fmt(p.get('wait_us_per_call'))} | "
-                + (f"{outside['op']} ({outside['self_cpu_us_median']:,.0f} µs self CPU)" if outside else "-")
+                f"{fmt(w.get('mean_over_ranks'))} | {fmt(p.get('wait_us_per_call'))} | {probe} | "
+                + (f"{p['host_ms']:.2f}" if "host_ms" in p else "-")
                 + f" | {p['census_per_call']:g}" + (f": {'; '.join(p['census_sites'])}" if p["census_sites"] else "")
                 + " |")
     return "\n".join(lines)

@@ -107,3 +107,31 @@ def test_nccl_on_cpu_at_ep1_does_not_sync(tmp_path, monkeypatch):
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["world"] == 1
     assert {p: rank0["phases"][p]["census"]["per_call"] for p in hs.PHASES} == dict.fromkeys(hs.PHASES, 0)
+
+
+def _seen(sync_counts, waits_per_call, host_us, ops):
+    from collections import Counter
+
+    return {"calls": len(sync_counts), "sync_counts": sync_counts, "by_api": Counter(cudaStreamSynchronize=sum(sync_counts)),
+            "waits_us": [w for call in waits_per_call for w in call], "wait_per_call_us": [sum(c) for c in waits_per_call],
+            "host_us": host_us, "op_self_us": ops}
+
+
+def test_gpu_phase_counts_cuda_syncs_and_a_wait_outside_the_cuda_api():
+    """The GPU rules on made-up profiles: CUDA sync calls are counted with their waits; a probe
+    sleep no sync call took is one wait more, named by the op that grew, costed by its own time."""
+    normal = _seen([2, 2], [[30.0, 10.0], [50.0, 10.0]], [400.0, 420.0], {"deepep::dispatch": [90.0, 110.0],
+                                                                            "aten::mul": [5.0, 5.0]})
+    # the sleep landed in a CUDA sync call: nothing outside the API
+    taken = _seen([2, 2], [[19000.0, 10.0], [19500.0, 10.0]], [19400.0, 19600.0], normal["op_self_us"])
+    e = hs._gpu_phase(normal, taken, {"blocks_host": True})
+    assert e["syncs_per_call"] == 2 and e["cuda_sync_calls"]["wait_us"]["median"] == 20.0
+    assert e["cuda_sync_calls"]["wait_us_per_call"] == 50.0 and e["cuda_sync_calls"]["by_api"] == {"cudaStreamSynchronize": 2}
+    # the sleep landed in DeepEP's own op (its CPU poll)
+    polled = _seen([2, 2], [[30.0, 10.0], [50.0, 10.0]], [19400.0, 19600.0], {"deepep::dispatch": [19100.0, 19200.0],
+                                                                               "aten::mul": [5.0, 5.0]})
+    e = hs._gpu_phase(normal, polled, probe := {"blocks_host": True})
+    assert e["syncs_per_call"] == 3 and probe["wait_outside_cuda_api"]["op"] == "deepep::dispatch"
+    assert probe["wait_outside_cuda_api"]["self_cpu_us"]["median"] == 100.0
+    # no wait at all (nvshmem): the CUDA count stands
+    assert hs._gpu_phase(_seen([0, 0], [[], []], [50.0, 60.0], {}), None, {"blocks_host": False})["syncs_per_call"] == 0
