@@ -90,9 +90,10 @@ C4_EN_TOKENS = 156e9
 C4_EN_SIGMA = 1.0
 C4_EN = DocumentLengths(
     name="c4_en",
-    source=("mean: Dodge et al. 2021, 'Documenting Large Webtext Corpora: A Case Study on the Colossal Clean Crawled "
-            "Corpus' (EMNLP 2021, arXiv:2104.08758), Table 1: C4.EN 365M documents, 156B tokens, so 427.4 tokens "
-            "per document, + BOS and EOS; shape: lognormal with sigma 1.0 (an assumption: no published "
+    source=("mean: C4 (en) 365M documents and 156B tokens, as Dodge et al. 2021, 'Documenting Large Webtext Corpora: "
+            "A Case Study on the Colossal Clean Crawled Corpus' (EMNLP 2021, arXiv:2104.08758), report them (read "
+            "here through a secondary page quoting the same two figures, aiwiki.ai's C4 article; check Table 1), so "
+            "427.4 tokens per document, + BOS and EOS; shape: lognormal with sigma 1.0 (an assumption: no published "
             "distribution)"),
     lognormal=(C4_EN_TOKENS / C4_EN_DOCUMENTS + 2, C4_EN_SIGMA),
     notes=("the paper's tokens are not DeepSeek-V3's tokenizer's; allenai/c4's dataset card (config en, train "
