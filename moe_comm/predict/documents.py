@@ -26,6 +26,7 @@ import gzip
 import json
 import math
 import random
+import re
 import shlex
 import statistics
 import sys
@@ -219,7 +220,10 @@ def save_measured(dists: list[DocumentLengths], command: str, path: Path = MEASU
         doc["datasets"][d.name] = {"source": d.source, "command": command, "date": now,
                                    "summary": {k: v for k, v in d.summary().items() if k not in ("name", "source")},
                                    "lengths": list(d.lengths)}
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    text = json.dumps(doc, indent=1)  # lists of numbers on one line each (thousands of lengths)
+    text = re.sub(r"\[\n\s*(-?[\d.]+(?:,\n\s*-?[\d.]+)*)\n\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+    Path(path).write_text(text + "\n")
 
 
 def for_recipe(dataset: str, dataset_path: str | None, measured: dict[str, DocumentLengths] | None = None
