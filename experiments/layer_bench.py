@@ -20,7 +20,11 @@ from constants here; see `cases`):
 Every part is TorchTitan's own module or function at the 671B flavor's shape, in bf16 (FSDP's
 param dtype), with weights from the modules' own init_weights: MLA (`Attention`) with the
 attention kernel the flavor names (FlexAttention through TorchTitan's compiled
-`FlexAttentionWrapper`, block-causal mask) and SDPA beside it; the router
+`FlexAttentionWrapper`, block-causal mask), variable-length attention (moe_comm.titan.attention:
+TorchTitan's `VarlenAttentionWrapper` with v padded to q's head dim) and SDPA beside it; the two
+block-causal kernels alone at one document, at 512-token documents and at the document lengths of
+the recipes' data (DOC_DISTRIBUTIONS: c4 stated, the staged real text measured; sequences packed
+as TorchTitan packs them, moe_comm.predict.documents, fixed seed); the router
 (`TokenChoiceTopKRouter`); `TokenReorderer`; the shared expert and dense FFN (`FeedForward`);
 the routed experts' grouped GEMM (`_run_experts_grouped_mm`, the call ExpertParallel makes) over
 the rows one rank receives at EP 32, drawn by moe_comm.predict.routing_plan (balanced, and node-limited:
@@ -68,6 +72,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
+from moe_comm.predict import documents  # noqa: E402
+
 SCHEMA = "layer_bench/1"
 FLAGSHIP_RECIPE = "recipes/deepseek_v3_671b_b200.toml"
 ANCHOR_ID = "anchor/nebius_671b_256xb200/standard"
@@ -77,6 +83,12 @@ VALIDATION = "results/model_inputs/scale_model_validation.json"
 P_CEILING, P_EAGER, P_FLEX_FLAGSHIP, P_COMPOSITE, P_FLEX_OTHER, P_COMPILED_EXPERTS = range(6)
 COMPILE_PRIORITY = P_FLEX_FLAGSHIP
 DOC_TOKENS = 512  # the block-causal sensitivity point: documents of this many tokens (an assumption)
+# Document-length distributions the block-causal kernels are measured at (moe_comm.predict.documents):
+# c4 "en", what the flagship and the Nebius anchors train on (stated), and the staged real text the
+# one-GPU runs train on (measured); sequences packed as TorchTitan packs them, with this seed.
+DOC_DISTRIBUTIONS = ("c4_en", "nltk_en")
+DOC_SEED = 0
+BLOCK_CAUSAL = ("flex", "varlen")  # the kernels that run block-causal masks
 
 
 def log(msg: str) -> None:
@@ -339,13 +351,36 @@ def _init(factory: Callable[[], nn.Module], device, *init_args) -> nn.Module:
 
 def _attention_args(a, case: Case, impl: str):
     return with_changes(a, n_heads=a.n_heads // case.tp, attn_type=impl,
-                        attn_mask_type="block_causal" if impl == "flex" else "causal")
+                        attn_mask_type="block_causal" if impl in BLOCK_CAUSAL else "causal")
+
+
+def document_distribution(name: str):
+    """A distribution of moe_comm.predict.documents by name: c4_en (stated) or a measured one."""
+    return documents.C4_EN if name == documents.C4_EN.name else documents.load_measured()[name]
+
+
+def pieces_for(case: Case, docs) -> list[list[tuple[int, bool]]]:
+    """Per sequence of the case's microbatch, its document pieces as (tokens, ends with EOS):
+    one document (None), documents of `docs` tokens (int), or TorchTitan's packing of a named
+    distribution (str, moe_comm.predict.documents, seed DOC_SEED)."""
+    S, B = case.seq_len, case.sequences
+    if docs is None:
+        return [[(S, False)]] * B
+    if isinstance(docs, int):
+        full, rest = divmod(S, docs)
+        return [[(docs, True)] * full + ([(rest, False)] if rest else [])] * B
+    return documents.packed(document_distribution(docs), B, S, seed=DOC_SEED)
+
+
+def _docs_label(docs) -> str:
+    return "" if docs is None else (f".docs{docs}" if isinstance(docs, int) else f".{docs}")
 
 
 class DocumentMask:
     """The flavor's block-causal mask (causal within each document) for FlexAttention, built with
-    TorchTitan's compiled create_block_mask. The document ids live in one buffer refilled in
-    place, so every variant is the same mask function and the compiled kernel is reused."""
+    TorchTitan's compiled create_block_mask from the same rule as its document mask (document ids
+    that change after each EOS). The ids live in one buffer refilled in place, so every variant is
+    the same mask function and the compiled kernel is reused."""
 
     def __init__(self, sequences: int, seq_len: int, device):
         self.doc_ids_BS = torch.zeros(sequences, seq_len, dtype=torch.int32, device=device)
@@ -357,12 +392,21 @@ class DocumentMask:
 
         self.mask_mod = block_causal
 
-    def block_mask(self, doc_tokens: int | None):
+    def block_mask(self, pieces: list[list[tuple[int, bool]]]):
         from torchtitan.models.attention import create_attention_mask
 
-        pos = torch.arange(self.seq_len, device=self.doc_ids_BS.device)
-        self.doc_ids_BS.copy_((pos // doc_tokens if doc_tokens else pos * 0).to(torch.int32).expand_as(self.doc_ids_BS))
+        ids = [[i for i, (d, _) in enumerate(p) for _ in range(d)] for p in pieces]
+        self.doc_ids_BS.copy_(torch.tensor(ids, dtype=torch.int32))
         return create_attention_mask(self.mask_mod, self.sequences, None, self.seq_len, self.seq_len)
+
+
+def varlen_documents(pieces: list[list[tuple[int, bool]]], device):
+    """The same documents for the variable-length kernel, cut by TorchTitan's
+    create_varlen_metadata_for_document from a token batch with EOS where each document ends."""
+    from torchtitan.models.attention import create_varlen_metadata_for_document
+
+    eos = 1
+    return create_varlen_metadata_for_document(documents.token_batch(pieces, eos, 0).to(device), eos)
 
 
 def causal_pairs(seq_len: int, doc_tokens: int | None) -> float:
@@ -372,10 +416,14 @@ def causal_pairs(seq_len: int, doc_tokens: int | None) -> float:
     return full * d * (d + 1) / 2 + rest * (rest + 1) / 2
 
 
-def attention_core_flops(a, case: Case, doc_tokens: int | None = None) -> float:
+def attention_core_flops(a, case: Case, doc_tokens: int | None = None, pieces=None) -> float:
+    """2 x heads x kept (query, key) pairs x (qk + v head dims): documents of doc_tokens each, or
+    the pieces given (moe_comm.predict.documents.kept_pairs)."""
     heads = a.n_heads // case.tp
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-    return 2 * case.sequences * heads * causal_pairs(case.seq_len, doc_tokens) * (qk + a.v_head_dim)
+    pairs = (sum(documents.kept_pairs(p) for p in pieces) if pieces is not None
+             else case.sequences * causal_pairs(case.seq_len, doc_tokens))
+    return 2 * heads * pairs * (qk + a.v_head_dim)
 
 
 def attention_projection_flops(a, case: Case) -> float:
@@ -474,39 +522,57 @@ def build_parts(case: Case, device: torch.device, state: dict) -> list[Part]:
 
     add("silu_mul.experts", "memory", silu_mul, count_per_layer=0)
 
-    # -- attention
-    for impl in ("sdpa", "flex"):
-        flex = impl == "flex"
-        req = ("cuda", "flex") if flex else ()
-        prio = (P_FLEX_FLAGSHIP if case.name == "flagship" else P_FLEX_OTHER) if flex else P_EAGER
+    # -- attention: SDPA causal over one document; FlexAttention and variable-length attention
+    # block-causal over one document, fixed 512-token documents and the DOC_DISTRIBUTIONS
+    doc_variants = (None, DOC_TOKENS, *DOC_DISTRIBUTIONS)
+    documents_seen = state.setdefault("documents", {}).setdefault(case.name, {})
+    for docs in doc_variants:
+        pcs = pieces_for(case, docs)
+        documents_seen[_docs_label(docs).lstrip(".") or "one"] = {
+            "pieces": sum(len(x) for x in pcs), "kept_pairs": sum(documents.kept_pairs(x) for x in pcs),
+            "longest": max(d for x in pcs for d, _ in x), "seed": DOC_SEED if isinstance(docs, str) else None}
+    for impl in ("sdpa", *BLOCK_CAUSAL):
+        req = () if impl == "sdpa" else ("cuda", impl)
+        prio = P_EAGER if impl == "sdpa" else (P_FLEX_FLAGSHIP if case.name == "flagship" else P_FLEX_OTHER)
 
         def module(impl=impl):
+            from moe_comm.titan.attention import VarlenMLA
+
             aa = _attention_args(a, case, impl)
-            attn = _init(lambda: Attention(aa), device, 0.02)
+            attn = _init(lambda: VarlenMLA(aa) if impl == "varlen" else Attention(aa), device, 0.02)
             f = freqs()
-            mask = _document_mask(state, B, S, device).block_mask(None) if impl == "flex" else None
+            one = pieces_for(case, None)
+            mask = {"flex": lambda: _document_mask(state, B, S, device).block_mask(one),
+                    "varlen": lambda: varlen_documents(one, device)}.get(impl, lambda: None)()
             x = _randn((B, S, D), device)
             return Built(lambda x: attn(x, f, mask), (x,), list(attn.parameters()),
                          attention_projection_flops(a, case) + attention_core_flops(a, case),
                          {"sequences": B, "seq": S, "heads": heads, "dim": D},
-                         "MLA: projections, q/kv norms, rope, the attention kernel")
+                         "MLA: projections, q/kv norms, rope, the attention kernel (one document)")
 
         add(f"attention.module.{impl}", "compute", module, priority=prio, requires=req,
-            count_per_layer=1 if flex == (a.attn_type == "flex") else 0)
+            count_per_layer=1 if impl == (a.attn_type if a.attn_type in BLOCK_CAUSAL else "sdpa") else 0)
 
-        for docs in ((None, DOC_TOKENS) if flex else (None,)):
+        for docs in (doc_variants if impl in BLOCK_CAUSAL else (None,)):
             def core(impl=impl, docs=docs):
                 from torchtitan.models.attention import FlexAttentionWrapper, ScaledDotProductAttentionWrapper
 
+                from moe_comm.titan.attention import DocumentVarlenAttention
+
                 with torch.device("meta"):  # TorchTitan's softmax scale (YaRN mscale past 4096)
-                    scale = Attention(_attention_args(a, case, impl)).softmax_scale
+                    scale = Attention(_attention_args(a, case, "sdpa")).softmax_scale
                 # leaves laid out as the module lays out q, k and v (same strides: one compile)
                 q = _randn((B, S, heads, qk), device)
                 k = _randn((B, S, heads, qk), device)
                 kv = _randn((B, S, heads, a.qk_nope_head_dim + a.v_head_dim), device)
+                pieces = pieces_for(case, docs)
                 if impl == "flex":
-                    kernel, mask = FlexAttentionWrapper(), _document_mask(state, B, S, device).block_mask(docs)
+                    kernel, mask = FlexAttentionWrapper(), _document_mask(state, B, S, device).block_mask(pieces)
                     call = lambda q, k, v: kernel(q, k, v, block_mask=mask, scale=scale)  # noqa: E731
+                elif impl == "varlen":  # v padded to q's head dim inside, as VarlenMLA runs it
+                    kernel = DocumentVarlenAttention()
+                    kernel.documents = varlen_documents(pieces, device)
+                    call = lambda q, k, v: kernel(q, k, v, scale=scale)  # noqa: E731
                 else:
                     kernel = ScaledDotProductAttentionWrapper()
                     call = lambda q, k, v: kernel(q, k, v, scale=scale)  # noqa: E731
@@ -515,15 +581,20 @@ def build_parts(case: Case, device: torch.device, state: dict) -> list[Part]:
                     v = kv[..., a.qk_nope_head_dim:]
                     return call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
-                return Built(fn, (q, k, kv), flops_fwd=attention_core_flops(a, case, docs),
+                lengths = [d for x in pieces for d, _ in x]
+                what = {None: "one document per sequence", DOC_TOKENS: f"documents of {DOC_TOKENS} tokens (a "
+                        "sensitivity point, not a measured length)"}.get(
+                    docs, f"documents drawn from {docs} (moe_comm.predict.documents, seed {DOC_SEED}), packed as "
+                    "TorchTitan packs them")
+                return Built(fn, (q, k, kv), flops_fwd=attention_core_flops(a, case, pieces=pieces),
                              shape={"sequences": B, "seq": S, "heads": heads, "qk_dim": qk, "v_dim": a.v_head_dim,
-                                    "documents_of": docs or S},
-                             note="the attention kernel alone" + (f"; sensitivity: documents of {docs} tokens (an "
-                                                                  "assumption, not a measured document length)"
-                                                                  if docs else ""))
+                                    "documents": docs or ("one" if docs is None else docs),
+                                    "pieces": len(lengths), "longest_piece": max(lengths),
+                                    "kept_pairs": sum(documents.kept_pairs(x) for x in pieces)},
+                             note=f"the attention kernel alone; {what}")
 
-            add(f"attention.core.{impl}" + (f".docs{docs}" if docs else ""), "compute", core, priority=prio,
-                requires=req, count_per_layer=0)
+            add(f"attention.core.{impl}{_docs_label(docs)}", "compute", core, priority=prio, requires=req,
+                count_per_layer=0)
 
     # -- MoE
     def router():
@@ -615,7 +686,7 @@ def build_parts(case: Case, device: torch.device, state: dict) -> list[Part]:
                 blk.init_weights(buffer_device=device)
             _bf16_params(blk)
             f = freqs()
-            mask = _document_mask(state, B, S, device).block_mask(None) if impl == "flex" else None
+            mask = _document_mask(state, B, S, device).block_mask(pieces_for(case, None)) if impl == "flex" else None
             flops = (attention_projection_flops(a, case) + attention_core_flops(a, case) + 2 * T * D * m.num_experts
                      + 2 * T * m.top_k * 3 * D * a.moe_inter_dim + 2 * T * 3 * D * a.moe_inter_dim * m.num_shared_experts)
             return Built(lambda x: blk(x, f, mask), (_randn((B, S, D), device),), list(blk.parameters()), flops,
@@ -865,6 +936,7 @@ def run_part(part: Part, device, clock, args, state, peaks, ceil) -> dict:
 def _unmet(part: Part, device: torch.device, state: dict) -> str:
     if "cuda" in part.requires and device.type != "cuda":
         why = {"flex": "FlexAttention's backward does not run on CPU (NOTES §1); the SDPA parts stand in",
+               "varlen": "FlashAttention's variable-length kernel is CUDA only",
                "fp8": "float8 grouped GEMMs need a CUDA GPU of SM 8.9 or later"}
         return next((why[r] for r in part.requires if r in why), "needs a CUDA GPU")
     if "fp8" in part.requires and torch.cuda.get_device_capability(device) < (8, 9):
@@ -883,6 +955,11 @@ def _expected_s(part: Part, state: dict) -> float:
         new_shape = part.case not in seen
         seen.add(part.case)
         return state.get("flex_compile_s", 90.0) if new_shape else 5.0
+    if "varlen" in part.name:  # TorchTitan compiles varlen_attn (one op, max-autotune-no-cudagraphs)
+        seen = state.setdefault("varlen_shapes", set())
+        new_shape = part.case not in seen
+        seen.add(part.case)
+        return 30.0 if new_shape else 5.0
     if ".compiled." in part.name:
         return state.get("experts_compile_s", 60.0)
     return 10.0
@@ -925,7 +1002,9 @@ def run(args) -> int:
                                       "tiny": args.tiny, "doc_tokens_sensitivity": DOC_TOKENS},
         "peaks": {"datasheet": peaks, "measured": ceil},
         "cases": {c.name: {**asdict(c), "tokens": c.tokens, "tokens_sp": c.tokens_sp,
-                           "received_rows": state["rows"][c.name]} for c in all_cases},
+                           "received_rows": state["rows"][c.name], "documents": state["documents"][c.name]}
+                  for c in all_cases},
+        "documents": {name: document_distribution(name).summary() for name in DOC_DISTRIBUTIONS},
         "resumed_by": [],
         "parts": [],
     }
@@ -937,6 +1016,7 @@ def run(args) -> int:
         kept = {(q["case"], q["name"]) for q in prev["parts"] if q.get("status") == "ok"}
         prev["parts"] = [q for q in prev["parts"] if (q["case"], q["name"]) in kept]
         prev["cases"].update(doc["cases"])
+        prev["documents"] = doc["documents"]
         prev["resumed_by"].append({"command": args.command, "date": now, "machine": info, "ceilings": ceil})
         run_index = len(prev["resumed_by"])
         doc = prev
@@ -1029,6 +1109,25 @@ def standard_path_layout(doc: dict, case: str) -> dict | None:
     return {k: whole["ms"][k]["median"] - sum(q["ms"][k]["median"] for q in parts) for k in ("fwd", "bwd")}
 
 
+def attention_choice(doc: dict) -> list[dict]:
+    """Per case and document variant measured for both block-causal kernels: their fwd / bwd ms
+    and which is faster under full AC (fwd + bwd + the recomputed fwd), with the slower's time over
+    the faster's."""
+    out = []
+    for p in doc["parts"]:
+        if not (p["name"].startswith("attention.core.flex") and p.get("status") == "ok"):
+            continue
+        v = _ok(doc, p["case"], p["name"].replace(".flex", ".varlen", 1))
+        if v is None:
+            continue
+        ms = {k: (q["ms"]["fwd"]["median"], q["ms"]["bwd"]["median"]) for k, q in (("flex", p), ("varlen", v))}
+        full = {k: 2 * f + b for k, (f, b) in ms.items()}
+        faster = min(full, key=full.get)
+        out.append({"case": p["case"], "documents": p["shape"].get("documents"), "pieces": p["shape"].get("pieces"),
+                    **ms, "faster": faster, "full_ac_ratio": max(full.values()) / full[faster]})
+    return out
+
+
 def report(doc: dict) -> str:
     if doc.get("schema") != SCHEMA:
         raise ValueError(f"not a layer_bench JSON (schema {doc.get('schema')!r}, expected {SCHEMA!r})")
@@ -1083,6 +1182,16 @@ def report(doc: dict) -> str:
             lines.append(f"- {case}: the standard path's own layout work (sort, gather, permute, unsort, weighting; "
                          f"moe.standard_local less router, shared expert and grouped GEMM, derived): fwd "
                          f"{lay['fwd']:.2f} ms, bwd {lay['bwd']:.2f} ms")
+    choice = attention_choice(doc)
+    if choice:
+        lines += ["", "Block-causal attention kernels alone at the data's documents (fwd / bwd ms; \"full AC\" adds the "
+                  "forward's recompute): FlexAttention against variable-length attention, the faster under full AC "
+                  "named:", "", "| case | documents | pieces | flex fwd / bwd | varlen fwd / bwd | faster (full AC) |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for c in choice:
+            lines.append(f"| {c['case']} | {c['documents']} | {c['pieces']} | {c['flex'][0]:.3f} / {c['flex'][1]:.3f} | "
+                         f"{c['varlen'][0]:.3f} / {c['varlen'][1]:.3f} | {c['faster']} "
+                         f"({c['full_ac_ratio']:.2f}x) |")
     for p in doc["parts"]:
         if p.get("status") == "ok" and p.get("kernels") and "kernel_ms" in p["kernels"]:
             k = p["kernels"]

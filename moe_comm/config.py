@@ -61,6 +61,12 @@ class MoEComm:
     twice), and the nvshmem buffers are sized for one half. DualPipeV's own EP overlap
     ([parallelism] pipeline_parallel_expert_parallel_overlap) is the other way; choose one."""
 
+    log_expert_counts: bool = False
+    """Write each MoE layer's routed tokens per expert, every training step, to
+    {dump_folder}/expert_counts/rank{R}.jsonl (moe_comm.metrics.expert_counts; one small
+    device-to-host copy per step line). experiments/routing_imbalance.py reads them. Not a backend
+    option: it observes the router, whatever the backend."""
+
     peak_tflops: float = 0.0
     """Peak dense TFLOPS of one GPU for MFU; 0 means look it up from the GPU's name
     (moe_comm.metrics.peaks). Set it for a GPU the table does not know, or MFU is not logged."""

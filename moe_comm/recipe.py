@@ -400,10 +400,24 @@ def check_layout(config, layout: Layout, args, device: str) -> None:
         )
     attn_type = getattr(args, "attn_type", "sdpa")
     if device == "cpu" and attn_type != "sdpa":
+        kernel = ("FlashAttention's variable-length kernel is CUDA only" if attn_type == "varlen"
+                  else "whose backward does not run on CPU")
         raise RecipeError(
-            f"[model] flavor = {config.model.flavor!r} uses {attn_type} attention, whose "
-            "backward does not run on CPU; use flavor = \"debugmodel\" on CPU"
+            f"[model] flavor = {config.model.flavor!r} uses {attn_type} attention ({kernel}); use "
+            "flavor = \"debugmodel\" on CPU"
         )
+    if attn_type == "varlen":  # moe_comm.titan.attention
+        if args.attn_mask_type != "block_causal":
+            raise RecipeError(
+                f"[model] flavor = {config.model.flavor!r}: varlen attention is block-causal, but the flavor's "
+                f"attn_mask_type is {args.attn_mask_type!r}; use a flavor with block_causal masks"
+            )
+        if config.model.name != OUR_MODEL_NAME:
+            raise RecipeError(
+                f"[model] flavor = {config.model.flavor!r} (varlen attention) runs on our model only: TorchTitan's "
+                f"own deepseek_v3 ({config.model.name!r}) has sdpa and flex; set [model] name = \"{OUR_MODEL_NAME}\" "
+                "or drop the flavor's _varlen suffix"
+            )
     if layout.cp > 1 and attn_type != "sdpa":
         raise RecipeError(
             f"[parallelism] context_parallel_degree = {layout.cp} needs SDPA attention; flavor "

@@ -24,12 +24,15 @@ def _load():
 lb = _load()
 
 # Every part of a case, named independently of the script (a part that disappears fails here).
+DOCS = ["", f".docs{lb.DOC_TOKENS}", ".c4_en", ".nltk_en"]  # one document, fixed, the data's distributions
 COMMON = ["rmsnorm", "residual_add", "rope", "silu_mul.experts", "attention.module.sdpa", "attention.core.sdpa",
-          "attention.module.flex", "attention.core.flex", f"attention.core.flex.docs{lb.DOC_TOKENS}", "router",
+          "attention.module.flex", "attention.module.varlen",
+          *[f"attention.core.{k}{d}" for k in ("flex", "varlen") for d in DOCS], "router",
           "reorderer", "shared_expert", "dense_ffn", "recv_permute", "embedding", "output_loss",
           *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled") for r in ("balanced", "node_limited")]]
 COMPOSITES = ["moe.standard_local", "layer.moe_block"]  # TP 1 only
-NOT_ON_CPU = {"flex": "FlexAttention's backward does not run on CPU", "fp8": "float8 grouped GEMMs need a CUDA GPU"}
+NOT_ON_CPU = {"flex": "FlexAttention's backward does not run on CPU", "varlen": "variable-length kernel is CUDA only",
+              "fp8": "float8 grouped GEMMs need a CUDA GPU"}
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +125,7 @@ def test_resume_keeps_what_was_measured(bench, tmp_path):
     assert len(kept) == sum(p["status"] == "ok" for p in doc["parts"])
     # the parts not measured before, of the case and names asked for (names are prefixes), again
     assert {(p["case"], p["name"]) for p in again["parts"] if p["status"] != "ok"} == {
-        ("nebius", "attention.core.flex"), ("nebius", f"attention.core.flex.docs{lb.DOC_TOKENS}")}
+        ("nebius", f"attention.core.flex{d}") for d in DOCS}
 
 
 def test_causal_flops_closed_form():
@@ -162,3 +165,33 @@ def test_the_scale_model_reads_what_the_bench_writes(bench, tmp_path, monkeypatc
     assert sum(c.terms["attention"]) == pytest.approx(tiny.n_layers * per_layer)
     assert any("SDPA's time stands in" in n for n in c.notes)  # no FlexAttention on a CPU
     assert set(c.parts) == set(layer_compute.PARTS)
+
+
+def test_documents_are_the_datas_packed_as_torchtitan_packs_them(bench):
+    """Each case records the pieces its block-causal parts run: one document, fixed 512-token
+    documents, and TorchTitan's packing of each distribution (seed lb.DOC_SEED)."""
+    from moe_comm.predict import documents
+
+    _, doc = bench
+    assert set(doc["documents"]) == set(lb.DOC_DISTRIBUTIONS)
+    assert doc["documents"]["c4_en"]["mean"] == pytest.approx(documents.C4_EN.mean)
+    for name, c in doc["cases"].items():
+        S, B = c["seq_len"], c["sequences"]
+        seen = c["documents"]
+        assert seen["one"] == {"pieces": B, "kept_pairs": B * S * (S + 1) // 2, "longest": S, "seed": None}
+        assert seen[f"docs{lb.DOC_TOKENS}"]["kept_pairs"] == B * lb.causal_pairs(S, lb.DOC_TOKENS)
+        for dist in lb.DOC_DISTRIBUTIONS:
+            pieces = documents.packed(lb.document_distribution(dist), B, S, seed=lb.DOC_SEED)
+            assert seen[dist]["kept_pairs"] == sum(documents.kept_pairs(p) for p in pieces), (name, dist)
+            assert seen[dist]["pieces"] == sum(len(p) for p in pieces)
+
+
+def test_attention_choice_names_the_faster_kernel():
+    parts = []
+    for impl, fwd, bwd in (("flex", 1.0, 4.0), ("varlen", 1.2, 3.0)):
+        parts.append({"case": "flagship", "name": f"attention.core.{impl}.c4_en", "status": "ok",
+                      "shape": {"documents": "c4_en", "pieces": 9},
+                      "ms": {"fwd": {"median": fwd}, "bwd": {"median": bwd}}})
+    (c,) = lb.attention_choice({"parts": parts})
+    assert c["faster"] == "varlen" and c["full_ac_ratio"] == pytest.approx(6.0 / 5.4)
+    assert lb.attention_choice({"parts": parts[:1]}) == []  # varlen not measured: no choice

@@ -46,6 +46,7 @@ def backend_options(config: MoEComm) -> dict[str, Any]:
     options = dataclasses.asdict(config)
     options.pop("backend")
     options.pop("peak_tflops")
+    options.pop("log_expert_counts")
     return options
 
 

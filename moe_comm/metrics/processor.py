@@ -39,6 +39,7 @@ from torchtitan.tools.utils import Color, NoColor
 from moe_comm import console
 from moe_comm.kernels import call_graphs, emulated_link
 from moe_comm.metrics import keys, naming
+from moe_comm.metrics.expert_counts import ExpertCountLog
 from moe_comm.metrics.instrumented import instrumented_backends, SENDS_ONCE_PER_RANK, summarize
 from moe_comm.metrics.peaks import resolve_peak
 from moe_comm.metrics.pipeline import PipelineStages
@@ -158,9 +159,28 @@ class MoECommMetricsProcessor(MetricsProcessor):
         self._first_log: tuple[int, float] | None = None  # (step, time) of the first log line
         self._losses: list[float] = []
         self._step_seconds: list[float] = []
+        self.expert_counts = None
+        if self.moe_comm.log_expert_counts:  # attached when TorchTitan hands over its optimizers
+            t = job_config.training
+            self.expert_counts = ExpertCountLog(job_config.job.dump_folder, self.rank, {
+                "world_size": parallel_dims.world_size, "ep": parallel_dims.ep,
+                "tokens_per_step": t.local_batch_size * t.seq_len * self._accumulation,
+                "recipe": self.static_fields[keys.RECIPE], "flavor": job_config.model.flavor})
         for line in self._header(wandb_url):
             console.show(line)
         console.watch.start("setting up the model (sharding, weight init, checkpoint load)")
+
+    # TorchTitan assigns its OptimizersContainer here after building it (train.py), and the model
+    # parts just after: the expert counts are read before each of its steps.
+    @property
+    def optimizers(self):
+        return self.__dict__.get("_optimizers")
+
+    @optimizers.setter
+    def optimizers(self, value) -> None:
+        self.__dict__["_optimizers"] = value
+        if value is not None and getattr(self, "expert_counts", None) is not None:
+            self.expert_counts.attach(value, lambda: self.model_parts)
 
     # TorchTitan's batch generator adds each batch's tokens here: the processor's only per-batch
     # signal. The first one marks where this process starts training, after model set-up and
@@ -283,6 +303,8 @@ class MoECommMetricsProcessor(MetricsProcessor):
             extra_metrics={**(extra_metrics or {}), **ours},
         )
         console.show(self._step_line(step, global_avg_loss, grad_norm, step_s, mine).format(self.color))
+        if self.expert_counts is not None:
+            self.expert_counts.write(step)
         self._losses.append(global_avg_loss)
         self._step_seconds.append(step_s)
         self._last_logged_step = step
@@ -331,6 +353,8 @@ class MoECommMetricsProcessor(MetricsProcessor):
         # `except Exception: trainer.close(); raise`), so an exception being handled here is the
         # one that ends the run.
         failure = sys.exc_info()[1]
+        if self.expert_counts is not None:
+            self.expert_counts.close()
         super().close()
         backends = instrumented_backends()
         if self.moe_comm.backend == "nvshmem" and backends:  # how its calls ran (moe_comm.kernels.call_graphs)

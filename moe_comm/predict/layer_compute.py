@@ -251,7 +251,7 @@ def rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: boo
         raise ValueError(f"MXFP8 grouped GEMMs (quantize.grouped_mm.mx) need a B200 (SM100), not {there.gpu}")
     linear_fp8 = "quantize.linear.float8" in converters
     fp8_gain = fp8_gemm_gain(bench) if expert_dtype == "fp8" or linear_fp8 else 1.0
-    impl = "flex" if a.attn_type == "flex" else "sdpa"
+    impl = a.attn_type if a.attn_type in ("flex", "varlen") else "sdpa"
 
     def note(text: str) -> None:
         if text not in out.notes:

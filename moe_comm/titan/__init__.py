@@ -7,7 +7,8 @@ group, so importing it:
      file (moe_comm.console);
      and starts the rank's heartbeat (moe_comm.heartbeat) when `moe_comm train` launched it;
   1. applies the CPU adaptations (moe_comm.titan.cpu) when CUDA is absent;
-  2. adds our flavors ("671B_layers") to TorchTitan's deepseekv3_args;
+  2. adds our flavors ("671B_layers") to TorchTitan's deepseekv3_args, and a "<flavor>_varlen"
+     twin of each with variable-length block-causal attention (moe_comm.titan.attention);
   3. registers two train specs:
      - "deepseek_v3_moe_comm": TorchTitan's deepseek_v3 spec with our model (token-level MoE)
        and parallelize_fn (EP through the [moe_comm] backend), and moe_comm.metrics' processor;

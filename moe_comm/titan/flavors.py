@@ -66,6 +66,22 @@ FLAVORS["671B_layers_4gpu"] = dataclasses.replace(
 )
 
 
+VARLEN_SUFFIX = "_varlen"
+
+
+def varlen_twin(args: DeepSeekV3ModelArgs) -> DeepSeekV3ModelArgs:
+    """The flavor with block-causal variable-length attention (moe_comm.titan.attention): each
+    token attends within its own document, as the flex flavors' block_causal mask does."""
+    return dataclasses.replace(args, attn_type="varlen", attn_mask_type="block_causal")
+
+
 def register() -> None:
+    """Our flavors, and a "<flavor>_varlen" twin of every DeepSeek-V3 flavor (TorchTitan's and
+    ours): "671B_varlen" is TorchTitan's 671B with variable-length instead of FlexAttention
+    block-causal attention. A twin of an SDPA causal flavor (ours, "debugmodel") also changes its
+    mask to block-causal. They run on our model ([model] name = "deepseek_v3_moe_comm") on GPUs."""
     for name, args in FLAVORS.items():
         deepseekv3_args.setdefault(name, args)
+    for name, args in list(deepseekv3_args.items()):
+        if not name.endswith(VARLEN_SUFFIX) and args.attn_type != "varlen":
+            deepseekv3_args.setdefault(name + VARLEN_SUFFIX, varlen_twin(args))

@@ -37,7 +37,7 @@ from torchtitan.models.moe import moe as titan_moe
 from torchtitan.models.moe.moe import GroupedExperts, MoEArgs
 
 from moe_comm.backends.base import CommBackend
-from moe_comm.titan import overlap
+from moe_comm.titan import attention, overlap
 
 
 class TokenLevelExperts(GroupedExperts):
@@ -142,16 +142,26 @@ class TokenLevelMoE(MoE):
 
 
 class MoECommDeepSeekV3Model(DeepSeekV3Model):
-    """TorchTitan's DeepSeekV3Model whose MoE layers are `TokenLevelMoE`.
+    """TorchTitan's DeepSeekV3Model whose MoE layers are `TokenLevelMoE`, and whose attention can
+    also be variable-length block-causal (attn_type "varlen": moe_comm.titan.attention).
 
-    The MoE modules are rebuilt in the same slots with the same arguments, so parameter names,
-    order and initialisation (and hence checkpoints and the seeded loss) match TorchTitan's.
+    The MoE (and varlen attention) modules are rebuilt in the same slots with the same arguments,
+    so parameter names, order and initialisation (and hence checkpoints and the seeded loss) match
+    TorchTitan's.
     """
 
     def __init__(self, model_args: DeepSeekV3ModelArgs):
-        super().__init__(model_args)
+        super().__init__(attention.buildable_args(model_args))
+        self.model_args = model_args
+        if model_args.attn_type == attention.VARLEN:
+            attention.use_varlen(self, model_args)
         for block in self.layers.values():
             if block.moe_enabled:
                 block.moe = TokenLevelMoE(
                     model_args.moe_args, dim=model_args.dim, hidden_dim=model_args.moe_inter_dim
                 )
+
+    def get_attention_masks(self, input_batch: torch.Tensor, tokenizer, extra_inputs=None):
+        if self.model_args.attn_type == attention.VARLEN:
+            return attention.varlen_documents(self.model_args, input_batch, tokenizer)
+        return super().get_attention_masks(input_batch, tokenizer, extra_inputs)
