@@ -2,6 +2,7 @@
 
 The modules, bottom to top (each imports only modules listed before it):
   assumptions   read figures (datasheets, public measurements), each with its source
+  documents     the document lengths of a recipe's dataset, and the pairs block-causal attention keeps
   schedule      the pipeline schedules: stages per rank, bubble, microbatch-stages in flight
   routing_plan  which rows a dispatch moves over NVLink and the network, and their bytes
   estimate      parameters, flops per token, per-GPU memory

@@ -9,7 +9,7 @@ prices attention by the (query, key) pairs those pieces keep (`kept_pairs`).
 A length counts what TorchTitan's loader feeds the model per document: its token ids plus BOS
 and EOS (`HuggingFaceTextDataset` encodes each text with add_bos and add_eos). Where a
 recipe's data is staged, the distribution is every document of it, tokenised with the recipe's
-tokenizer (`measure`, written to results/document_lengths.json with the command that made it).
+tokenizer (`measure`, written to results/model_inputs/document_lengths.json with the command that made it).
 Where it is not (c4 for the flagship and the Nebius anchors), it is stated with its source:
 `C4_EN`. `for_recipe` picks one.
 
@@ -33,9 +33,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_comm.predict.assumptions import REPO
+from moe_comm.predict.assumptions import MODEL_INPUTS, REPO
 
-MEASURED = REPO / "results" / "document_lengths.json"
+MEASURED = MODEL_INPUTS / "document_lengths.json"
 SCHEMA = "document_lengths/1"
 # Windows drawn and dropped before the sequences kept, so the first kept window starts inside a
 # document (as almost every window of a long run does), not at the stream's first BOS.
@@ -202,7 +202,7 @@ def measure(dataset_path: Path, tokenizer_path: Path, name: str, max_documents: 
 
 
 def load_measured(path: Path = MEASURED) -> dict[str, DocumentLengths]:
-    """The distributions results/document_lengths.json holds, by name."""
+    """The distributions results/model_inputs/document_lengths.json holds, by name."""
     if not Path(path).is_file():
         return {}
     doc = json.loads(Path(path).read_text())
@@ -213,7 +213,7 @@ def load_measured(path: Path = MEASURED) -> dict[str, DocumentLengths]:
 
 
 def save_measured(dists: list[DocumentLengths], command: str, path: Path = MEASURED) -> None:
-    """Adds (or replaces) distributions in results/document_lengths.json."""
+    """Adds (or replaces) distributions in results/model_inputs/document_lengths.json."""
     doc = json.loads(Path(path).read_text()) if Path(path).is_file() else {"schema": SCHEMA, "datasets": {}}
     now = datetime.date.today().isoformat()
     for d in dists:
