@@ -6,13 +6,16 @@ Run under torchrun like `-m torchtitan.train`, with the variants in MOE_COMM_TES
     chunked    [moe_comm] overlap = "chunked"
     dualpipev  DualPipeV's EP overlap: TorchTitan's overlap callback and our sync points
                (needs pipeline_parallel_schedule = "DualPipeV" and EP)
+A variant ending in "_noac" runs the model's checkpointed blocks without their checkpoint (as
+if [activation_checkpoint] mode were "none"), so one launch built with AC compares both.
 Each step runs forward + backward for every variant on the same batch and weights (gradients
 cleared in between); the optimizer then steps with the last variant's gradients. Each rank
 writes {dump_folder}/overlap_rank{R}.json: whether parallelize gave every MoE layer DualPipeV's
 sync points, and per variant and step the loss (float.hex) and, against
 the reference, the largest gradient difference over the expert weights and over every other
-parameter (relative to that parameter's largest reference gradient), and how many DualPipeV
-sync barriers the two threads passed, so one launch compares all variants.
+parameter (relative to that parameter's largest reference gradient), how many DualPipeV
+sync barriers the two threads passed, and how often the backends' dispatch and combine were
+called, so one launch compares all variants.
 """
 
 import json
@@ -23,8 +26,10 @@ from torch.distributed.pipelining.schedules import OVERLAP_F_B
 from torch.distributed.tensor import DTensor
 from torchtitan.distributed import dual_pipe_v
 from torchtitan.distributed.dual_pipe_v import overlap_callback
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torchtitan.train import main, Trainer
 
+from moe_comm.backends.nccl import NcclBackend
 from moe_comm.titan.model import TokenLevelMoE
 
 VARIANTS = os.environ.get("MOE_COMM_TEST_VARIANTS", "plain,chunked").split(",")
@@ -43,10 +48,36 @@ def _counting_barrier(self):
 
 dual_pipe_v.HookCoordinator.barrier = _counting_barrier
 
+# Calls of the backends' dispatch and combine (the nccl backend's: these trainings run on CPU;
+# forward calls, the backward runs through autograd), to check that a recompute makes none.
+_calls = {"dispatch": 0, "combine": 0}
+
+
+def _counting(op):
+    real = getattr(NcclBackend, op)
+
+    def counted(self, *args):
+        _calls[op] += 1
+        return real(self, *args)
+
+    return counted
+
+
+for _op in _calls:
+    setattr(NcclBackend, _op, _counting(_op))
+
+
+def _no_checkpoint(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
 
 def _set_variant(trainer: Trainer, variant: str) -> None:
+    variant, _, ac = variant.partition("_")
     for part in trainer.model_parts:
         for module in part.modules():
+            if isinstance(module, CheckpointWrapper):
+                built = module.__dict__.setdefault("built_checkpoint_fn", module.checkpoint_fn)
+                module.checkpoint_fn = _no_checkpoint if ac == "noac" else built
             if isinstance(module, TokenLevelMoE):
                 module.dual_pipe_v = variant == "dualpipev"
                 module.comm_backend.config.overlap = "chunked" if variant == "chunked" else "none"
@@ -95,6 +126,7 @@ class OverlapTrainer(Trainer):
             _set_variant(self, variant)
             self.optimizers.zero_grad()
             _barriers["passed"] = 0
+            _calls.update(dispatch=0, combine=0)
             loss = super().forward_backward_step(*args, **kwargs)
             grads = _grads(self)
             reference = reference or grads
@@ -103,6 +135,7 @@ class OverlapTrainer(Trainer):
                 "experts_grad_rel": _max_rel_diff(reference, grads, experts=True),
                 "other_grad_rel": _max_rel_diff(reference, grads, experts=False),
                 "sync_barriers": _barriers["passed"],
+                "calls": dict(_calls),
             })
         return loss
 

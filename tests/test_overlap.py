@@ -96,9 +96,8 @@ def _model(ac: str, config: MoEComm) -> MoECommDeepSeekV3Model:
     """TorchTitan's debug model with our MoE layers, every MoE layer on an instrumented nccl
     backend over the world of one, and TorchTitan's activation checkpointing."""
     from torchtitan.config.job_config import ActivationCheckpoint
-    from torchtitan.distributed.activation_checkpoint import apply_ac
 
-    from moe_comm.titan.parallelize import sac_save_list
+    from moe_comm.titan import recompute
 
     torch.manual_seed(0)
     model = MoECommDeepSeekV3Model(_debug_args())
@@ -111,8 +110,8 @@ def _model(ac: str, config: MoEComm) -> MoECommDeepSeekV3Model:
             moe.comm_backend = instrument(build_backend(config, layer, dist.group.WORLD))
     if ac != "none":
         mode, option = ac.split(":")
-        apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option),
-                 op_sac_save_list=sac_save_list("nccl"))
+        recompute.apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option),
+                           model_compile_enabled=False, base_folder="")
     return model
 
 
@@ -155,7 +154,8 @@ class RecordingStreams(overlap.Streams):
 
     last = None
 
-    def __init__(self, device):
+    def __init__(self, device, inline=False):
+        assert not inline, "no recompute in these tests"
         self.cuda, self.compute, self.comm = True, "S", "C"
         self.current = "S"
         self.before = {"S": frozenset(), "C": frozenset()}  # what the next op on it waits for
@@ -437,8 +437,17 @@ def test_dual_pipe_v_and_chunked_match_plain_pp2_ep2(tmp_path):
 
 
 def test_chunked_matches_plain_ep2_full_ac(tmp_path):
-    ranks = _train(tmp_path, "ep2_full_ac", 2, "plain,chunked", "--activation_checkpoint.mode", "full")
+    """EP 2 with full activation checkpointing, each step also run without the checkpoints: the
+    same loss and gradients bit for bit (the recompute replays the forward's dispatch and combine,
+    and recomputes the rest with the same ops), and dispatch and combine called exactly as often
+    (moe_comm.titan.recompute): once per MoE layer (5 in the debug model) and chunk."""
+    ranks = _train(tmp_path, "ep2_full_ac", 2, "plain_noac,plain,chunked", "--activation_checkpoint.mode", "full")
+    _assert_variant_matches(ranks, "plain", exact=True)
     _assert_variant_matches(ranks, "chunked", exact=False)
+    for record in ranks:
+        assert [s["calls"] for s in record["plain_noac"]] == [{"dispatch": 5, "combine": 5}] * 2
+        assert [s["calls"] for s in record["plain"]] == [{"dispatch": 5, "combine": 5}] * 2
+        assert [s["calls"] for s in record["chunked"]] == [{"dispatch": 10, "combine": 10}] * 2
 
 
 # ---- the GPU cases, run on CPU: the cases themselves, not the streams ---------------------------

@@ -23,6 +23,10 @@ With `[moe_comm] overlap = "chunked"`, or under DualPipeV's EP overlap (`dual_pi
 moe_comm.titan.parallelize), the tail after the router is moe_comm.titan.overlap's: dispatch and
 combine on the comm stream, chunk by chunk, beside the experts' compute.
 
+Every dispatch and combine call goes through moe_comm.titan.recompute, so under activation
+checkpointing the backward's recompute replays what the forward's calls returned instead of
+communicating again.
+
 Without a backend (a model built outside moe_comm.titan's parallelize) it runs TorchTitan's
 standard forward.
 """
@@ -37,7 +41,7 @@ from torchtitan.models.moe import moe as titan_moe
 from torchtitan.models.moe.moe import GroupedExperts, MoEArgs
 
 from moe_comm.backends.base import CommBackend
-from moe_comm.titan import overlap
+from moe_comm.titan import overlap, recompute
 
 
 class TokenLevelExperts(GroupedExperts):
@@ -122,10 +126,11 @@ class TokenLevelMoE(MoE):
             return out_TD.reshape(bs, slen, dim)
 
         # recv_x_RD: this rank's experts' rows, expert-major, each segment padded for grouped_mm
-        dispatched = self.comm_backend.dispatch(x_TD, topk_idx_TK, topk_w_TK)
+        # (under activation checkpointing, the recompute replays what the forward's calls returned)
+        dispatched = recompute.dispatch(self.comm_backend, x_TD, topk_idx_TK, topk_w_TK)
         y_RD = self.experts(dispatched.recv_x_RD, dispatched.tokens_per_expert_L)
         # back to token order, weighted by topk_w_TK (fp32 accumulation)
-        routed_out_TD = self.comm_backend.combine(y_RD, dispatched.handle)
+        routed_out_TD = recompute.combine(self.comm_backend, y_RD, dispatched.handle)
 
         if self.shared_experts is None:
             return routed_out_TD.reshape(bs, slen, dim)

@@ -40,11 +40,15 @@ on the producing stream, makes the consuming stream wait for it, and `record_str
 on the consumer, so the caching allocator never reuses their memory while the other stream may
 still read it. Autograd runs every op's backward on the stream its forward ran on (dispatch and
 combine on C) and syncs producer and consumer streams itself; `_ToComm`'s backward (on C) hands
-the gradients coming out of a comm op's backward to S explicitly, timing that wait. Activation
-checkpointing re-runs the same forward in the backward, on the stream of the backward node that
-needs the recomputed tensors; `_FromComm`'s backward (on S) is the first node of the layer that
-unpacks a saved tensor, so the recompute always starts on S (starting it from a node on C would
-recompute the whole block on C, with nothing ordering S after it).
+the gradients coming out of a comm op's backward to S explicitly, timing that wait.
+
+Activation checkpointing (moe_comm.titan.recompute) re-runs the block's forward in the backward,
+but its dispatch and combine calls replay what the forward's returned, and what their backward
+nodes (on C) saved is the forward's own tensors, never recomputed ones. So the recompute needs C
+for nothing: it runs inline on the stream that triggered it, which is S (no node on C unpacks a
+checkpointed tensor), with no handoff, no sync point and no timed wait. That matters under an
+overlapped pipeline action, where C holds the other microbatch's communication: a recompute that
+waited on C would stall S behind it.
 
 What each handoff cost the compute stream is reported to the instrumented backend
 (`record_wait`: an event on S before and after the wait), so the metrics count as exposed only the
@@ -67,6 +71,7 @@ import torch
 from torchtitan.distributed import dual_pipe_v
 
 from moe_comm.backends.base import chunk_sizes, OVERLAP_CHUNKS
+from moe_comm.titan import recompute
 
 CHUNKS = OVERLAP_CHUNKS["chunked"]
 
@@ -86,10 +91,11 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 class Streams:
     """The compute stream S (current when the layer runs) and the comm stream C, and the few
     operations the handoffs make on them. Without CUDA both are None and every operation is a
-    no-op (CPU ops are synchronous)."""
+    no-op (CPU ops are synchronous); `inline` (a recompute) makes them no-ops on CUDA too:
+    everything runs on the current stream."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, inline: bool = False):
+        self.cuda = device.type == "cuda" and not inline
         self.compute = torch.cuda.current_stream(device) if self.cuda else None
         self.comm = comm_stream(device) if self.cuda else None
 
@@ -201,8 +207,7 @@ class _ToComm(torch.autograd.Function):
 
 class _FromComm(torch.autograd.Function):
     """C -> S for what a comm op returns. Called with S current: the forward makes S wait for
-    the op (timed); the backward runs on S and is where activation checkpointing recomputes
-    the layer (see the module doc), then hands the gradients to C, the comm op's backward."""
+    the op (timed); the backward runs on S and hands the gradients to C, the comm op's backward."""
 
     @staticmethod
     def forward(ctx, handoff: Handoff, done, *tensors):
@@ -214,13 +219,10 @@ class _FromComm(torch.autograd.Function):
         handoff.sync_forward(ctx)
         handoff.report(f"{handoff.op}_fwd", s.timed_wait(done) if s.cuda else None)
         s.hand_over(tensors, s.compute)
-        # A saved tensor, so that under activation checkpointing this node (on S) unpacks first.
-        ctx.save_for_backward(torch.empty(0, device=tensors[0].device))
         return _views(ctx, tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.saved_tensors  # noqa: B018  unpacking it is what starts the recompute, here on S
         h = ctx.handoff
         h.sync_backward()
         h.streams.hand_over(grads, h.streams.comm)
@@ -250,12 +252,15 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
     compute stream waits for it, behind experts(c1)'s backward; the dispatches' backwards run
     beside the shared experts' backward."""
     backend = moe.comm_backend
-    streams = Streams(x_TD.device)
+    # a recompute replays the comm calls: inline on S, no sync points, nothing to time (module doc)
+    recomputing = recompute.replaying()
+    streams = Streams(x_TD.device, inline=recomputing)
     # waits are reported for training steps only, as the instrument times only those
-    record_wait = getattr(backend, "record_wait", None) if torch.is_grad_enabled() else None
+    record_wait = getattr(backend, "record_wait", None) if torch.is_grad_enabled() and not recomputing else None
+    sync_points = dual_pipe_v and not recomputing
 
     def handoff(op: str, point: str) -> Handoff:
-        return Handoff(streams, op, point if dual_pipe_v else None, record_wait)
+        return Handoff(streams, op, point if sync_points else None, record_wait)
 
     sizes = chunk_sizes(x_TD.shape[0], chunks)
     with streams.on_comm():
@@ -269,7 +274,7 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
     dispatched, dispatch_done = [], []
     with streams.on_comm():
         for x, idx, w in zip(x_comm.split(sizes), idx_comm.split(sizes), w_comm.split(sizes)):
-            dispatched.append(backend.dispatch(x, idx, w))
+            dispatched.append(recompute.dispatch(backend, x, idx, w))
             dispatch_done.append(streams.mark(streams.comm))
 
     def receive(i, recv_x_RD, tokens_per_expert_L):  # B: S waits for chunk i's dispatch only
@@ -278,7 +283,7 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
     def send(i, y_RD, ready):  # C: C waits for chunk i's experts only, then its combine
         with streams.on_comm():
             (y_RD,) = to_comm(handoff("combine", "C"), y_RD, ready=ready)
-            return backend.combine(y_RD, dispatched[i].handle)
+            return recompute.combine(backend, y_RD, dispatched[i].handle)
 
     chunks_in = [(d.recv_x_RD, d.tokens_per_expert_L) for d in dispatched]
     if dual_pipe_v:

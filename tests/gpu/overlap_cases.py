@@ -10,7 +10,9 @@ check, because CPU ops have no streams.
 - `layer_matches_plain`: TorchTitan's debug model (one dense and two MoE layers, every MoE layer
   on the backend, expert weights sharded over the ranks) trained one step with overlap "chunked"
   and with "none" from the same weights, with activation checkpointing none, full and per-op
-  selective (the backend's ops on the save list): the loss and every gradient agree. fp32 with
+  selective: the loss and every gradient agree, and the backend's dispatch and combine are called
+  once per layer and chunk in a step, whatever the AC mode (the recompute replays them:
+  moe_comm.titan.recompute). fp32 with
   the for-loop experts: 1e-4 (the expert weights' gradient is a sum over two chunks); bf16
   grouped GEMMs: 2e-2 of each gradient's largest value (each chunk's expert-weight gradient is
   rounded to bf16 on its own). The metrics' waits were recorded in forward and backward.
@@ -90,12 +92,11 @@ def calls_in_flight(rank, world, device, route, backend, hidden, num_experts, to
 
 def _model(rank, world, device, make_backend, ac, grouped_mm):
     from torchtitan.config.job_config import ActivationCheckpoint
-    from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
     from moe_comm.metrics import instrument
+    from moe_comm.titan import recompute
     from moe_comm.titan.model import MoECommDeepSeekV3Model
-    from moe_comm.titan.parallelize import sac_save_list
 
     args = copy.deepcopy(deepseekv3_args["debugmodel"])
     args.moe_impl = "standard"
@@ -118,9 +119,24 @@ def _model(rank, world, device, make_backend, ac, grouped_mm):
             backends.append(block.moe.comm_backend)
     if ac != "none":
         mode, option = ac.split(":")
-        apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option),
-                 op_sac_save_list=sac_save_list(backends[0].name))
+        recompute.apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option),
+                           model_compile_enabled=False, base_folder="")
     return model, backends
+
+
+def _count_calls(backends) -> dict:
+    """Counts the calls of every instrumented backend's own dispatch and combine."""
+    calls = {"dispatch": 0, "combine": 0}
+    for b in backends:
+        for op in calls:
+            real = getattr(b.backend, op)
+
+            def counted(*args, _real=real, _op=op):
+                calls[_op] += 1
+                return _real(*args)
+
+            setattr(b.backend, op, counted)
+    return calls
 
 
 def layer_matches_plain(rank, world, device, make_backend):
@@ -129,13 +145,18 @@ def layer_matches_plain(rank, world, device, make_backend):
     for grouped_mm, tol in ((False, 1e-4), (True, 2e-2)):
         for ac in ("none", "full:2", "selective:op"):
             model, backends = _model(rank, world, device, make_backend, ac, grouped_mm)
+            calls = _count_calls(backends)
             results, timing, waits = {}, {}, set()
             for mode in ("none", "chunked"):
                 for backend in backends:
                     backend.config.overlap = mode
                 model.zero_grad(set_to_none=True)
+                calls.update(dispatch=0, combine=0)
                 loss = model(tokens).float().square().mean()
                 loss.backward()
+                chunks = 2 if mode == "chunked" else 1
+                if calls != {"dispatch": 2 * chunks, "combine": 2 * chunks}:
+                    failures.append(f"grouped_mm={grouped_mm} ac={ac} {mode}: calls per step {calls}")
                 results[mode] = (loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
                                               if p.grad is not None})
                 if device.type == "cuda":
