@@ -13,13 +13,14 @@ Two ways, both driven from `TokenLevelMoE.forward` (moe_comm.titan.model):
   combine(c0) behind experts(c1); combine(c1) stays exposed. Both chunks' experts are one call
   of the experts module (`TokenLevelExperts.forward_chunks`), so FSDP gathers and reduces the
   expert weights once per layer, as without chunking.
-- DualPipeV's EP overlap (TorchTitan 0.2.2's `ScheduleDualPipeV` with
-  `pipeline_parallel_expert_parallel_overlap`): one chunk, and TorchTitan's sync points A and
-  B around dispatch, C and D around combine, where TorchTitan's `DualPipeExpertParallel` puts
-  them. TorchTitan's overlap callback runs one microbatch's forward and another's backward in two
-  threads that meet at these points, so one thread's communication runs while the other
-  computes; only one thread issues communication between two points, so every rank issues it
-  in the same order. Comm runs on C here too, so the nvshmem kernels (which run on the current
+- across microbatches, under DualPipeV's EP overlap (TorchTitan 0.2.2's `ScheduleDualPipeV`
+  with `pipeline_parallel_expert_parallel_overlap`) or `[moe_comm] overlap = "microbatch"`
+  (Interleaved1F1B's steady state: moe_comm.titan.pipeline): one chunk, and TorchTitan's sync
+  points A and B around dispatch, C and D around combine, where TorchTitan's
+  `DualPipeExpertParallel` puts them (`sync_points`). TorchTitan's overlap callback runs one
+  microbatch's forward and another's backward in two threads that meet at these points, so one
+  thread's communication runs while the other computes; only one thread issues communication
+  between two points, so every rank issues it in the same order. Comm runs on C here too, so the nvshmem kernels (which run on the current
   stream) do not queue behind the other thread's compute. Each handoff marks its stream before
   the sync point and waits after it, so neither thread's wait covers the other thread's next
   work; autograd's own syncs at the backward's handoffs are made when a node returns, after the
@@ -28,8 +29,8 @@ Two ways, both driven from `TokenLevelMoE.forward` (moe_comm.titan.model):
 Why one comm stream per process, not one per layer: the nvshmem kernels share one set of
 symmetric buffers and per-kind call counters per process (csrc/runtime/buffers.h), so two of
 their calls must never run at once, and every rank must issue them in the same order. One
-stream runs them in issue order, which is the program's order on every rank (and, under
-DualPipeV, the order the sync points impose on the two threads). It is created with high
+stream runs them in issue order, which is the program's order on every rank (and, across
+microbatches, the order the sync points impose on the two threads). It is created with high
 priority, so its kernels' blocks are scheduled ahead of queued GEMM blocks: the nvshmem and
 DeepEP kernels are cooperative launches on `num_sms` blocks that must all be resident at once,
 and they spin on their peers. The local layout kernels (plan, expand, reduce) of the nvshmem
@@ -138,7 +139,7 @@ class Streams:
 @dataclass
 class Handoff:
     """One crossing between the streams: which comm op it belongs to (for the timing), the
-    DualPipeV sync point it is (None outside DualPipeV), and where to report waits."""
+    sync point it is (None outside an overlap across microbatches), and where to report waits."""
 
     streams: Streams
     op: str  # "dispatch" or "combine"
@@ -180,7 +181,7 @@ def _views(ctx, tensors) -> tuple:
 class _ToComm(torch.autograd.Function):
     """S -> C for the tensors a comm op reads. Called with C current, so autograd runs its
     backward on C, right after the comm op's backward: there it hands the op's input gradients
-    back to S (the timed wait) before the sync point lets the other DualPipeV thread go on."""
+    back to S (the timed wait) before the sync point lets the other thread go on."""
 
     @staticmethod
     def forward(ctx, handoff: Handoff, ready, *tensors):
@@ -241,9 +242,10 @@ def from_comm(handoff: Handoff, *tensors, done=None) -> tuple:
 
 @torch.compiler.disable  # streams, events and host syncs inside: eager, as the comm ops are
 def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
-                   chunks: int, dual_pipe_v: bool) -> torch.Tensor:
+                   chunks: int, sync_points: bool) -> torch.Tensor:
     """`moe`'s routed + shared experts output for x_TD, its comm overlapped (module doc):
-    `chunks` = 2 for "chunked", 1 with DualPipeV's sync points (`dual_pipe_v`).
+    `chunks` = 2 for "chunked", 1 with TorchTitan's sync points (`sync_points`: an overlap
+    across microbatches).
 
     Every wait is on an event marked right after the op it waits for, so the issue order on the
     host only matters for the nccl backend (host syncs) and for the backward: autograd issues
@@ -257,19 +259,19 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
     streams = Streams(x_TD.device, inline=recomputing)
     # waits are reported for training steps only, as the instrument times only those
     record_wait = getattr(backend, "record_wait", None) if torch.is_grad_enabled() and not recomputing else None
-    sync_points = dual_pipe_v and not recomputing
+    meet = sync_points and not recomputing
 
     def handoff(op: str, point: str) -> Handoff:
-        return Handoff(streams, op, point if sync_points else None, record_wait)
+        return Handoff(streams, op, point if meet else None, record_wait)
 
     sizes = chunk_sizes(x_TD.shape[0], chunks)
     with streams.on_comm():
         # A: C waits for the router; the shared experts below are not in that wait
         x_comm, idx_comm, w_comm = to_comm(handoff("dispatch", "A"), x_TD, topk_idx_TK, topk_w_TK)
     # Issued before the dispatches, so S computes them while a host-syncing dispatch (nccl)
-    # waits for its counts. DualPipeV computes them after combine, as TorchTitan does.
+    # waits for its counts. With sync points they come after combine, as TorchTitan's DualPipeV.
     shared_TD = None
-    if moe.shared_experts is not None and not dual_pipe_v:
+    if moe.shared_experts is not None and not sync_points:
         shared_TD = moe.shared_experts(x_TD)
     dispatched, dispatch_done = [], []
     with streams.on_comm():
@@ -286,7 +288,7 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
             return recompute.combine(backend, y_RD, dispatched[i].handle)
 
     chunks_in = [(d.recv_x_RD, d.tokens_per_expert_L) for d in dispatched]
-    if dual_pipe_v:
+    if sync_points:
         # B before the experts module (and its FSDP hooks), C and combine after it, as
         # TorchTitan's DualPipeExpertParallel places them
         chunks_in = [receive(i, *c) for i, c in enumerate(chunks_in)]
@@ -296,16 +298,17 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
         outs, _ = moe.experts.forward_chunks(chunks_in, streams, receive, send)
     outs = from_comm(handoff("combine", "D"), *outs)  # D: S waits for every combine
     routed_TD = torch.cat(outs) if chunks > 1 else outs[0]
-    if moe.shared_experts is not None and dual_pipe_v:
+    if moe.shared_experts is not None and sync_points:
         shared_TD = moe.shared_experts(x_TD)
     return routed_TD if shared_TD is None else shared_TD + routed_TD
 
 
-def use_dual_pipe_v_sync_points(model: torch.nn.Module) -> None:
-    """Under DualPipeV's EP overlap: every MoE layer of this model part passes TorchTitan's sync
-    points A-D around its dispatch and combine (what DualPipeExpertParallel does to TorchTitan's)."""
+def use_sync_points(model: torch.nn.Module) -> None:
+    """Under an overlap across microbatches (DualPipeV's EP overlap, or overlap "microbatch"):
+    every MoE layer of this model part passes TorchTitan's sync points A-D around its dispatch
+    and combine (what DualPipeExpertParallel does to TorchTitan's)."""
     from moe_comm.titan.model import TokenLevelMoE
 
     for block in model.layers.values():
         if block.moe_enabled and isinstance(block.moe, TokenLevelMoE):
-            block.moe.dual_pipe_v = True
+            block.moe.sync_points = True
