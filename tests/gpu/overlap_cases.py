@@ -244,6 +244,9 @@ def _in_two_threads(device, forward, backward, num_layers):
         thread.start()
         try:
             result = forward()
+        except BaseException:
+            coordinator.disable_coordination()  # the backward thread's waits end
+            raise
         finally:
             thread.join(timeout=300)
         if thread.is_alive():
