@@ -51,15 +51,20 @@ class MoEComm:
     with an error naming the kernel, the phase and the peer (nvshmem backend). Never 0: a wait
     without a bound is a silent hang."""
 
-    overlap: Literal["none", "chunked"] = "none"
+    overlap: Literal["none", "chunked", "microbatch"] = "none"
     """How the MoE communication meets compute (moe_comm.titan.overlap). "none": dispatch and
     combine run on the compute stream, as TorchTitan runs them. "chunked": each MoE layer
     splits its tokens in two halves whose dispatch and combine run on a side stream (the
     nvshmem/deepep kernels on their num_sms) while the other half's experts and the shared
     experts compute; works with activation checkpointing and any pipeline schedule. The two
     halves hold the same expert activations as one whole (plus each expert's alignment padding
-    twice), and the nvshmem buffers are sized for one half. DualPipeV's own EP overlap
-    ([parallelism] pipeline_parallel_expert_parallel_overlap) is the other way; choose one."""
+    twice), and the nvshmem buffers are sized for one half. "microbatch": in the steady state of
+    pipeline_parallel_schedule = "Interleaved1F1B", one microbatch's forward and another's
+    backward on two different stages of the rank run as one overlapped action, each one's
+    dispatch and combine on the side stream while the other computes (moe_comm.titan.pipeline);
+    needs expert and pipeline parallelism, and holds one more microbatch-stage in flight.
+    DualPipeV's own EP overlap ([parallelism] pipeline_parallel_expert_parallel_overlap) is the
+    same idea on its own schedule. Choose one of the three."""
 
     log_expert_counts: bool = False
     """Write each MoE layer's routed tokens per expert, every training step, to

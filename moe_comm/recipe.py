@@ -463,6 +463,8 @@ def run_plan(config, layout: Layout, args, device: str, *, gpu: str = "", gpu_sm
         # TorchTitan's get_dual_pipe_v_flag, from the recipe instead of the built process groups
         dual_pipe_v=(layout.pp > 1 and layout.ep > 1 and p.pipeline_parallel_expert_parallel_overlap
                      and p.pipeline_parallel_schedule.lower() == "dualpipev"),
+        pp=layout.pp,
+        pp_schedule=p.pipeline_parallel_schedule,
     )
 
 

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 CASES = ["layout_random_h7168_top8", "layout_one_expert_h2048_top8", "layout_zipf_h2048_top6", "layout_top1_h2048",
-         "grad_h2048_top6", "grad_h7168_top8", "overlap_calls_in_flight"]
+         "grad_h2048_top6", "grad_h7168_top8", "overlap_calls_in_flight", "overlap_microbatch_calls_in_flight"]
 RANKS = [2, 4]
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -52,6 +52,8 @@ CASES = [
     "bad_input_errors",
     "overlap_calls_in_flight",
     "overlap_layer_matches_plain",
+    "overlap_microbatch_calls_in_flight",
+    "overlap_microbatch_layer_matches_plain",
 ]
 # What a one-GPU training step runs (EP 1: every expert on the rank), at world 1 only.
 WORLD1_CASES = ["moe_layer_ep1_against_nccl", "emulated_link_holds"]

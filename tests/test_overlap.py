@@ -14,21 +14,28 @@
   not behind experts(c1), the sum behind both combines), the record_streams, and the waits
   reported to the metrics in forward and backward.
 - DualPipeV's sync points: their order around dispatch and combine, and the backward's first D.
+- The overlap across microbatches ([moe_comm] overlap = "microbatch", moe_comm.titan.pipeline):
+  the action lists built from torch's Interleaved1F1B (no processes), the refusal of other
+  schedules, and a failing backward thread failing the step instead of hanging it.
 - The checks before launch, and the metrics of an overlapped run.
-- Two trainings under torchrun (the whole path: TorchTitan's trainer, FSDP, the train spec),
-  each step run once per variant from the same weights (tests/overlap_trainer.py):
+- Three trainings under torchrun (the whole path: TorchTitan's trainer, FSDP, the train spec),
+  each step run once per variant from the same weights (tests/overlap_trainer.py), built with
+  full activation checkpointing and each variant also run with fewer or no checkpoints:
   PP 2 x EP 2 with DualPipeV on 4 processes (its EP overlap with two threads, "chunked", and
-  neither), and EP 2 with full activation checkpointing on 2. DualPipeV's EP overlap equals the
-  plain schedule bit for bit (the same ops on the same shapes in the same order, only the two
-  threads' interleaving differs, and CPU ops are synchronous); "chunked" within CHUNKED_RTOL,
-  as at unit level. TorchTitan's per-op selective AC with
+  neither); PP 2 x EP 2 with Interleaved1F1B and overlap "microbatch" on 4 processes (against
+  torch's own Interleaved1F1B lists); EP 2 on 2 processes ("chunked" and not; dispatch and
+  combine calls counted). An overlap across microbatches equals the plain schedule bit for bit,
+  and so does every AC mode equal no AC (the same ops on the same shapes in the same order, only
+  the two threads' interleaving differs, and CPU ops are synchronous); "chunked" within
+  CHUNKED_RTOL, as at unit level. TorchTitan's per-op selective AC with
   FSDP does not run on CPU with or without overlap ("profiler._record_function_enter_new ...
   not found in storage" in FSDP's post-forward during recompute), so it is checked at unit
-  level only.
+  level only (here and in tests/test_recompute.py).
 
 What only the GPU covers (tests/gpu/nvshmem_cases.py): real streams and events, the caching
 allocator's reuse across streams, autograd's own stream syncs in backward, the recompute
-running on the compute stream, and the nvshmem kernels with calls in flight on the comm stream.
+running on the compute stream, and the nvshmem kernels with calls in flight on the comm stream,
+from one thread (chunked) and from two (one microbatch's forward beside another's backward).
 """
 
 import contextlib
@@ -96,9 +103,8 @@ def _model(ac: str, config: MoEComm) -> MoECommDeepSeekV3Model:
     """TorchTitan's debug model with our MoE layers, every MoE layer on an instrumented nccl
     backend over the world of one, and TorchTitan's activation checkpointing."""
     from torchtitan.config.job_config import ActivationCheckpoint
-    from torchtitan.distributed.activation_checkpoint import apply_ac
 
-    from moe_comm.titan.parallelize import sac_save_list
+    from moe_comm.titan import recompute
 
     torch.manual_seed(0)
     model = MoECommDeepSeekV3Model(_debug_args())
@@ -111,8 +117,8 @@ def _model(ac: str, config: MoEComm) -> MoECommDeepSeekV3Model:
             moe.comm_backend = instrument(build_backend(config, layer, dist.group.WORLD))
     if ac != "none":
         mode, option = ac.split(":")
-        apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option),
-                 op_sac_save_list=sac_save_list("nccl"))
+        recompute.apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option),
+                           model_compile_enabled=False, base_folder="")
     return model
 
 
@@ -155,7 +161,8 @@ class RecordingStreams(overlap.Streams):
 
     last = None
 
-    def __init__(self, device):
+    def __init__(self, device, inline=False):
+        assert not inline, "no recompute in these tests"
         self.cuda, self.compute, self.comm = True, "S", "C"
         self.current = "S"
         self.before = {"S": frozenset(), "C": frozenset()}  # what the next op on it waits for
@@ -224,7 +231,7 @@ def _recorded_layer(monkeypatch, dual_pipe_v=False, overlap_mode="chunked"):
     layer = MoELayerSpec(moe.experts.num_experts, moe.router.top_k, args.dim)
     wrapped = instrument(NcclBackend(layer, dist.group.WORLD, MoEComm(backend="nccl", overlap=overlap_mode)))
     moe.comm_backend = RecordingBackend(wrapped)
-    moe.dual_pipe_v = dual_pipe_v
+    moe.sync_points = dual_pipe_v
     monkeypatch.setattr(overlap, "Streams", RecordingStreams)
     calls = {"n": 0}
     forward = TokenLevelExperts.forward
@@ -322,6 +329,100 @@ def test_backward_skips_only_its_first_d(monkeypatch):
         coordinator.disable_coordination()
 
 
+# ---- the action lists of the overlap across microbatches ---------------------------------------
+
+def _torch_interleaved(pp: int, v: int, n: int) -> dict:
+    """torch's own Interleaved1F1B compute lists (its pipeline_order), without building stages."""
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, n // pp)
+    shim = types.SimpleNamespace(n_local_stages=v, pp_group_size=pp, _n_microbatches=n, number_of_rounds=rounds,
+                                 microbatches_per_round=n // rounds)
+    return {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(shim, r) for r in range(pp)}
+
+
+@pytest.mark.parametrize("pp,v,n", [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 4, 16), (8, 4, 32), (2, 3, 6)])
+def test_microbatch_overlap_action_lists(pp, v, n):
+    """overlap_microbatches' lists, from torch's Interleaved1F1B: the same forwards and backwards,
+    each kind in torch's order; one more warmup forward; every steady-state forward/backward pair
+    on two different stages merged into an OVERLAP_F_B, never a pair on one stage; and torch's
+    lowering (sends, receives, FSDP, gradient reduction) accepts them, which it refuses for an
+    order that would deadlock. Each list is a function of the pipeline rank only, so every rank of
+    an EP group (one pipeline rank) pairs the same actions."""
+    from torch.distributed.pipelining.schedules import (
+        _add_reduce_grad, _add_send_recv, _add_unshard_reshard, FORWARD, FULL_BACKWARD, OVERLAP_F_B,
+    )
+
+    from moe_comm.titan.pipeline import overlapped_order
+
+    theirs = {r: [a for a in acts if a is not None] for r, acts in _torch_interleaved(pp, v, n).items()}
+    ours = overlapped_order(theirs)
+    for r in range(pp):
+        flat = [x for a in ours[r] for x in (a.sub_actions or (a,))]
+        for kind in (FORWARD, FULL_BACKWARD):
+            assert [a for a in flat if a.computation_type == kind] == [a for a in theirs[r] if a.computation_type == kind]
+        first_b = next(i for i, a in enumerate(flat) if a.computation_type == FULL_BACKWARD)
+        assert first_b == next(i for i, a in enumerate(theirs[r]) if a.computation_type == FULL_BACKWARD) + 1
+        pairs = [a for a in ours[r] if a.computation_type == OVERLAP_F_B]
+        assert pairs, f"rank {r} overlaps nothing"
+        for pair in pairs:
+            f, b = pair.sub_actions
+            assert (f.computation_type, b.computation_type) == (FORWARD, FULL_BACKWARD)
+            assert f.stage_index != b.stage_index and f.stage_index % pp == b.stage_index % pp == r
+        # what stays unmerged in the steady state is a forward and a backward of one stage
+        for a, nxt in zip(ours[r], ours[r][1:]):
+            if a.computation_type == FORWARD and nxt.computation_type == FULL_BACKWARD:
+                assert a.stage_index == nxt.stage_index, (r, a, nxt)
+    lowered = {r: _add_reduce_grad(_add_unshard_reshard(acts), n) for r, acts in ours.items()}
+    _add_send_recv(lowered, lambda stage: stage % pp, pp * v)  # raises on a malformed schedule
+    assert ours == overlapped_order(_torch_interleaved(pp, v, n))
+
+
+def test_overlap_microbatches_refuses_other_schedules():
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+
+    from moe_comm.titan.pipeline import overlap_microbatches
+
+    with pytest.raises(RecipeError, match=r'"microbatch".*Interleaved1F1B.*built Schedule1F1B'):
+        overlap_microbatches(Schedule1F1B.__new__(Schedule1F1B))
+
+
+def test_overlap_f_b_fails_the_step_when_its_backward_thread_fails(monkeypatch):
+    """TorchTitan's callback loses an exception of its backward thread and leaves the forward
+    thread waiting at the next sync point; ours frees the wait and raises it."""
+    import threading
+
+    from torchtitan.distributed import dual_pipe_v
+
+    from moe_comm.titan import pipeline
+
+    def callback(action, ctx):  # the shape of TorchTitan's: coordinate, backward in a thread, meet
+        dual_pipe_v._hook_coordinator.enable_coordination(num_layers=1)
+        thread = threading.Thread(target=lambda: 1 / 0, daemon=True)
+        thread.start()
+        dual_pipe_v._hook_coordinator.barrier()  # the backward thread never comes
+        thread.join()
+
+    monkeypatch.setattr(dual_pipe_v, "overlap_callback", callback)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # no traceback on the console
+    outcome = {}
+
+    def run():
+        try:
+            pipeline.overlap_f_b("action", None)
+        except RuntimeError as e:
+            outcome["error"] = e
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=30)
+    assert not runner.is_alive(), "the forward thread waited for the failed backward thread"
+    assert isinstance(outcome["error"].__cause__, ZeroDivisionError)
+    assert not dual_pipe_v._hook_coordinator.is_coordination_enabled()
+
+
 # ---- checks before launch --------------------------------------------------------------------
 
 def _plan(**kw) -> RunPlan:
@@ -343,30 +444,47 @@ class NoOverlapBackend(CommBackend):
 
 def test_check_run_overlap_rules():
     assert NcclBackend.check_run(_plan(overlap="chunked")) == []
-    assert NcclBackend.check_run(_plan(dual_pipe_v=True, activation_checkpoint="none")) == []
+    # DualPipeV's EP overlap with activation checkpointing: the recompute is comm-free
+    assert NcclBackend.check_run(_plan(dual_pipe_v=True, activation_checkpoint="full")) == []
     with pytest.raises(RecipeError, match=r'\[moe_comm\] overlap = "chunked".*"no-overlap"'):
         NoOverlapBackend.check_run(_plan(overlap="chunked"))
-    with pytest.raises(RecipeError, match=r'DualPipeV.*pipeline_parallel_expert_parallel_overlap.*'
-                                          r'\[activation_checkpoint\] mode = "full"'):
-        NcclBackend.check_run(_plan(dual_pipe_v=True, activation_checkpoint="full"))
     with pytest.raises(RecipeError, match=r'overlap = "chunked" and DualPipeV'):
         NcclBackend.check_run(_plan(overlap="chunked", dual_pipe_v=True))
+    interleaved = dict(overlap="microbatch", pp=2, pp_schedule="Interleaved1F1B")
+    assert NcclBackend.check_run(_plan(**interleaved, activation_checkpoint="selective")) == []
+    assert NcclBackend.check_run(_plan(overlap="microbatch")) == []  # pp and schedule unknown (a backend's build)
+    with pytest.raises(RecipeError, match=r'"microbatch".*expert_parallel_degree = 1'):
+        NcclBackend.check_run(_plan(**interleaved, ep=1))
+    with pytest.raises(RecipeError, match=r'"microbatch".*pipeline_parallel_degree = 1'):
+        NcclBackend.check_run(_plan(**(interleaved | {"pp": 1})))
+    with pytest.raises(RecipeError, match=r'"Interleaved1F1B" only, not "1F1B": with one stage per rank.*FSDP'):
+        NcclBackend.check_run(_plan(**(interleaved | {"pp_schedule": "1F1B"})))
+    with pytest.raises(RecipeError, match=r'not "DualPipeV": DualPipeV overlaps its own'):
+        NcclBackend.check_run(_plan(**(interleaved | {"pp_schedule": "DualPipeV"})))
+    with pytest.raises(RecipeError, match=r'not "GPipe"'):
+        NcclBackend.check_run(_plan(**(interleaved | {"pp_schedule": "GPipe"})))
 
 
-def test_recipe_refuses_dual_pipe_v_with_ac_before_launch(monkeypatch):
+def test_recipe_checks_the_overlaps_across_microbatches_before_launch(monkeypatch):
     from moe_comm import recipe
 
     monkeypatch.chdir(REPO)
-    dual_pipe = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-                 "DualPipeV", "--training.local_batch_size", "4"]
-    r = recipe.load("recipes/debug_cpu.toml", dual_pipe, device="cpu", nproc_per_node=4)
-    assert r.plan.dual_pipe_v and r.plan.activation_checkpoint == "none"
-    with pytest.raises(RecipeError, match="activation_checkpoint"):
-        recipe.load("recipes/debug_cpu.toml", dual_pipe + ["--activation_checkpoint.mode", "selective"],
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
+    dual_pipe = pp2 + ["--parallelism.pipeline_parallel_schedule", "DualPipeV"]
+    r = recipe.load("recipes/debug_cpu.toml", dual_pipe + ["--activation_checkpoint.mode", "selective"],
                     device="cpu", nproc_per_node=4)
-    off = ["--parallelism.no-pipeline_parallel_expert_parallel_overlap", "--moe_comm.overlap", "chunked",
-           "--activation_checkpoint.mode", "full"]
+    assert r.plan.dual_pipe_v and r.plan.activation_checkpoint == "selective"
+    off = ["--parallelism.no-pipeline_parallel_expert_parallel_overlap", "--moe_comm.overlap", "chunked"]
     assert not recipe.load("recipes/debug_cpu.toml", dual_pipe + off, device="cpu", nproc_per_node=4).plan.dual_pipe_v
+    microbatch = ["--moe_comm.overlap", "microbatch", "--activation_checkpoint.mode", "full"]
+    r = recipe.load("recipes/debug_cpu.toml", pp2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+                    + microbatch, device="cpu", nproc_per_node=4)
+    assert (r.plan.pp, r.plan.pp_schedule, r.plan.options.overlap) == (2, "Interleaved1F1B", "microbatch")
+    with pytest.raises(RecipeError, match=r'not "1F1B"'):
+        recipe.load("recipes/debug_cpu.toml", pp2 + ["--parallelism.pipeline_parallel_schedule", "1F1B"] + microbatch,
+                    device="cpu", nproc_per_node=4)
+    with pytest.raises(RecipeError, match=r"pipeline_parallel_degree = 1"):
+        recipe.load("recipes/debug_cpu.toml", microbatch, device="cpu", nproc_per_node=2)
 
 
 def test_overlap_is_part_of_the_run_name(monkeypatch):
@@ -421,24 +539,86 @@ def _assert_variant_matches(ranks: list[dict], variant: str, exact: bool) -> Non
 
 
 def test_dual_pipe_v_and_chunked_match_plain_pp2_ep2(tmp_path):
-    ranks = _train(tmp_path, "pp2_ep2", 4, "plain,dualpipev,chunked",
+    """DualPipeV with full activation checkpointing (now that its recompute is comm-free), each
+    step also run without the checkpoints."""
+    ranks = _train(tmp_path, "pp2_ep2", 4, "plain_noac,plain,dualpipev_noac,dualpipev,chunked_noac",
                    "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-                   "DualPipeV", "--training.local_batch_size", "4")
+                   "DualPipeV", "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full")
     assert all(r["built_with_sync_points"] for r in ranks)  # parallelize wired DualPipeV's EP overlap
-    _assert_variant_matches(ranks, "dualpipev", exact=True)
-    _assert_variant_matches(ranks, "chunked", exact=False)
+    for variant in ("plain", "dualpipev_noac", "dualpipev"):
+        _assert_variant_matches(ranks, variant, exact=True)
+    _assert_variant_matches(ranks, "chunked_noac", exact=False)
     # PP rank 1 holds stages 1 and 2 (two MoE layers each): its threads met at every sync point
-    # (7 per overlapped forward/backward pair and thread, 3 pairs a step); PP rank 0's stage 0 has
-    # no MoE layer, so TorchTitan does not coordinate there
+    # (7 per overlapped forward/backward pair and thread, 3 pairs a step), and the backward
+    # thread's recompute at none; PP rank 0's stage 0 has no MoE layer, so TorchTitan does not
+    # coordinate there
     for rank, record in enumerate(ranks):
-        barriers = [s["sync_barriers"] for s in record["dualpipev"]]
-        assert barriers == ([42, 42] if rank >= 2 else [0, 0]), (rank, barriers)
-        assert all(s["sync_barriers"] == 0 for v in ("plain", "chunked") for s in record[v])
+        for variant in ("dualpipev_noac", "dualpipev"):
+            barriers = [s["sync_barriers"] for s in record[variant]]
+            assert barriers == ([42, 42] if rank >= 2 else [0, 0]), (rank, variant, barriers)
+        assert all(s["sync_barriers"] == 0 for v in ("plain_noac", "plain", "chunked_noac") for s in record[v])
+        # every variant calls dispatch and combine once per MoE layer and microbatch (the launch's
+        # very first variant step also runs torch's shape inference: one forward more)
+        per_step = record["plain_noac"][1]["calls"]
+        assert per_step["dispatch"] > 0 and all(s["calls"] == per_step
+                                                for v in ("plain", "dualpipev_noac", "dualpipev") for s in record[v])
+
+
+def test_microbatch_overlap_matches_plain_pp2_ep2(tmp_path):
+    """[moe_comm] overlap = "microbatch" on Interleaved1F1B, PP 2 x EP 2, 2 stages per rank, 4
+    microbatches, with full activation checkpointing, per-layer selective (the even layers') and
+    none: the loss and every gradient equal torch's own Interleaved1F1B bit for bit (the same
+    forwards and backwards, each stage's in the same microbatch order; only their interleaving
+    and threads differ, and CPU ops are synchronous). Per-op selective AC does not run on CPU
+    with FSDP at all (the module doc), so the unit tests and the GPU cases cover it."""
+    ranks = _train(tmp_path, "pp2_ep2_microbatch", 4,
+                   "plain_noac,microbatch_noac,plain,microbatch,plain_layerac,microbatch_layerac",
+                   "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                   "Interleaved1F1B", "--training.local_batch_size", "4", "--moe_comm.overlap", "microbatch",
+                   "--activation_checkpoint.mode", "full")
+    for variant in ("microbatch_noac", "plain", "microbatch", "plain_layerac", "microbatch_layerac"):
+        _assert_variant_matches(ranks, variant, exact=True)
+    # stages 0 (embedding, the dense layer 0) and 2 (MoE layers 3, 4) on PP rank 0, 1 (MoE layers
+    # 1, 2) and 3 (MoE layer 5, the output) on PP rank 1: what overlap_microbatches built
+    built = {0: "0F0 0F1 2F0 2F1 0F2 (0F3;2B0)OVERLAP_F_B 2F2 2B1 (2F3;0B0)OVERLAP_F_B 0B1 2B2 2B3 0B2 0B3",
+             1: "1F0 1F1 3F0 3F1 3B0 (1F2;3B1)OVERLAP_F_B 1F3 1B0 (3F2;1B1)OVERLAP_F_B 3F3 3B2 3B3 1B2 1B3"}
+    for rank, record in enumerate(ranks):
+        pp_rank = rank // 2
+        assert record["built_with_sync_points"] and record["built_callback"]
+        assert " ".join(record["built_actions"]) == built[pp_rank]
+        for ac in ("_noac", "", "_layerac"):
+            steps = record[f"microbatch{ac}"]
+            assert [s["overlapped_actions"] for s in steps] == [2, 2]
+            assert all(s["overlapped_actions"] == 0 and s["sync_barriers"] == 0 for s in record[f"plain{ac}"])
+            # PP rank 0 pairs a stage without MoE layers with one that has two: nothing to
+            # coordinate. PP rank 1 pairs stage 1 (two MoE layers) with stage 3 (one): the threads
+            # meet at the one layer's points, 3 per thread (6 or 7 calls: the longer thread's
+            # next D may call before the shorter one ends the coordination)
+            barriers = [s["sync_barriers"] for s in steps]
+            if pp_rank == 0:
+                assert barriers == [0, 0], (rank, ac, barriers)
+            else:
+                assert all(12 <= b <= 14 for b in barriers), (rank, ac, barriers)
+            # dispatch and combine once per MoE layer and microbatch, whatever the AC mode (the
+            # launch's very first variant step also runs torch's shape inference: one forward more)
+            per_step = {"dispatch": 2 * 4, "combine": 2 * 4} if pp_rank == 0 else {"dispatch": 3 * 4, "combine": 3 * 4}
+            assert all(s["calls"] == per_step for s in steps)
+            plain = record[f"plain{ac}"][1:] if ac == "_noac" else record[f"plain{ac}"]
+            assert all(s["calls"] == per_step for s in plain)
 
 
 def test_chunked_matches_plain_ep2_full_ac(tmp_path):
-    ranks = _train(tmp_path, "ep2_full_ac", 2, "plain,chunked", "--activation_checkpoint.mode", "full")
+    """EP 2 with full activation checkpointing, each step also run without the checkpoints: the
+    same loss and gradients bit for bit (the recompute replays the forward's dispatch and combine,
+    and recomputes the rest with the same ops), and dispatch and combine called exactly as often
+    (moe_comm.titan.recompute): once per MoE layer (5 in the debug model) and chunk."""
+    ranks = _train(tmp_path, "ep2_full_ac", 2, "plain_noac,plain,chunked", "--activation_checkpoint.mode", "full")
+    _assert_variant_matches(ranks, "plain", exact=True)
     _assert_variant_matches(ranks, "chunked", exact=False)
+    for record in ranks:
+        assert [s["calls"] for s in record["plain_noac"]] == [{"dispatch": 5, "combine": 5}] * 2
+        assert [s["calls"] for s in record["plain"]] == [{"dispatch": 5, "combine": 5}] * 2
+        assert [s["calls"] for s in record["chunked"]] == [{"dispatch": 10, "combine": 10}] * 2
 
 
 # ---- the GPU cases, run on CPU: the cases themselves, not the streams ---------------------------
@@ -457,3 +637,5 @@ def test_gpu_overlap_cases_run_on_cpu(world_of_one):
     cpu = torch.device("cpu")
     overlap_cases.calls_in_flight(0, 1, cpu, route, backend(8, 2, 64), 64, 8, 2, iters=3)
     overlap_cases.layer_matches_plain(0, 1, cpu, backend)
+    overlap_cases.microbatch_calls_in_flight(0, 1, cpu, route, backend(8, 2, 64), 64, 8, 2, iters=3)
+    overlap_cases.microbatch_layer_matches_plain(0, 1, cpu, backend)

@@ -25,7 +25,10 @@ from moe_comm.errors import RecipeError
 
 
 # Token chunks per MoE layer call for each [moe_comm] overlap (moe_comm.titan.overlap).
-OVERLAP_CHUNKS = {"none": 1, "chunked": 2}
+OVERLAP_CHUNKS = {"none": 1, "chunked": 2, "microbatch": 1}
+
+# Pipeline schedules whose steady state the "microbatch" overlap runs (moe_comm.titan.pipeline).
+MICROBATCH_OVERLAP_SCHEDULES = ("Interleaved1F1B",)
 
 
 def chunk_sizes(num_tokens: int, chunks: int) -> list[int]:
@@ -97,6 +100,8 @@ class RunPlan:
     dual_pipe_v: bool = False
     """TorchTitan's DualPipeV EP overlap is on: pipeline and expert parallelism, [parallelism]
     pipeline_parallel_schedule = "DualPipeV" and pipeline_parallel_expert_parallel_overlap."""
+    pp: int = 0  # pipeline_parallel_degree (0: unknown)
+    pp_schedule: str = ""  # [parallelism] pipeline_parallel_schedule ("": unknown)
 
     @property
     def ep_nodes(self) -> int:
@@ -152,7 +157,8 @@ class CommBackend(ABC):
     cuda_only: ClassVar[bool] = False
     fp8_dispatch: ClassVar[bool] = False  # takes [moe_comm] dispatch_dtype = "fp8"
     # [moe_comm] overlap values it runs (moe_comm.titan.overlap): "chunked" needs calls that
-    # run on a side stream and two dispatches in flight before their combines.
+    # run on a side stream and two dispatches in flight before their combines; "microbatch"
+    # calls from two threads, one thread's between two sync points at a time.
     overlap: ClassVar[tuple[str, ...]] = ("none",)
     # The [moe_comm] fields that configure a backend (`backend` picks one, `peak_tflops` is MFU's).
     OPTIONS: ClassVar[tuple[str, ...]] = (
@@ -210,15 +216,8 @@ class CommBackend(ABC):
                 f'[moe_comm] overlap = "{o.overlap}": backend = "{cls.name}" runs overlap = '
                 f'{" or ".join(repr(m) for m in cls.overlap)}: set overlap = "none" or choose another backend'
             )
-        if run.dual_pipe_v and run.activation_checkpoint not in ("", "none"):
-            raise RecipeError(
-                '[parallelism] pipeline_parallel_schedule = "DualPipeV" with '
-                "pipeline_parallel_expert_parallel_overlap = true overlaps the MoE communication "
-                "with the other microbatch's compute, which TorchTitan does not run with "
-                f'[activation_checkpoint] mode = "{run.activation_checkpoint}": set mode = "none", '
-                "or pipeline_parallel_expert_parallel_overlap = false (then [moe_comm] overlap = "
-                '"chunked" works with activation checkpointing)'
-            )
+        if o.overlap == "microbatch":
+            cls.check_microbatch_overlap(run)
         if run.dual_pipe_v and o.overlap != "none":
             raise RecipeError(
                 f'[moe_comm] overlap = "{o.overlap}" and DualPipeV\'s EP overlap ([parallelism] '
@@ -232,6 +231,37 @@ class CommBackend(ABC):
                 f'= "{cls.name}" sends the model\'s rows as they are: set dispatch_dtype = "bf16"'
             )
         return []
+
+    @classmethod
+    def check_microbatch_overlap(cls, run: RunPlan) -> None:
+        """Where [moe_comm] overlap = "microbatch" runs (moe_comm.titan.pipeline says why): expert
+        parallelism (communication to hide) and a pipeline whose schedule is Interleaved1F1B."""
+        if run.ep == 1:
+            raise RecipeError(
+                '[moe_comm] overlap = "microbatch" hides one microbatch\'s dispatch and combine behind '
+                "another's compute, and at expert_parallel_degree = 1 nothing crosses a link: set "
+                'overlap = "none", or expert_parallel_degree > 1'
+            )
+        if run.pp == 1:
+            raise RecipeError(
+                '[moe_comm] overlap = "microbatch" overlaps a forward and a backward of the pipeline '
+                "schedule, and pipeline_parallel_degree = 1 has no schedule: set pipeline_parallel_degree "
+                '> 1 with pipeline_parallel_schedule = "Interleaved1F1B", or overlap = "chunked"'
+            )
+        schedule = run.pp_schedule.lower()
+        if schedule and schedule not in (s.lower() for s in MICROBATCH_OVERLAP_SCHEDULES):
+            why = {
+                "1f1b": "with one stage per rank, the forward and the backward would run on the same FSDP "
+                        "module in two threads (FSDP keeps one training state per module), and each "
+                        "overlapped pair would wait for the next rank's backward of the same step",
+                "dualpipev": "DualPipeV overlaps its own microbatches (pipeline_parallel_expert_parallel_overlap, "
+                             'with [moe_comm] overlap = "none")',
+            }.get(schedule, "its steady state is not 1F1B-shaped")
+            raise RecipeError(
+                f'[moe_comm] overlap = "microbatch" runs the steady state of pipeline_parallel_schedule = '
+                f'"Interleaved1F1B" only, not "{run.pp_schedule}": {why}. Set the schedule to '
+                '"Interleaved1F1B" (2 or more stages per rank), or overlap = "chunked"'
+            )
 
     @classmethod
     def check_num_sms(cls, run: RunPlan) -> list[str]:

@@ -72,7 +72,7 @@ def _check_deep_ep_importable() -> list[str]:
 class DeepEPBackend(CommBackend):
     name = "deepep"
     cuda_only = True
-    overlap = ("none", "chunked")
+    overlap = ("none", "chunked", "microbatch")
 
     @classmethod
     def check_run(cls, run: RunPlan) -> list[str]:

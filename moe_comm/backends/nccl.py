@@ -39,7 +39,7 @@ class NcclHandle:
 
 class NcclBackend(CommBackend):
     name = "nccl"
-    overlap = ("none", "chunked")
+    overlap = ("none", "chunked", "microbatch")
 
     @classmethod
     def ignored_options(cls, run: RunPlan) -> dict[str, str]:

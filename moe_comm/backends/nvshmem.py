@@ -49,7 +49,7 @@ class NvshmemBackend(CommBackend):
     name = "nvshmem"
     cuda_only = True
     fp8_dispatch = True
-    overlap = ("none", "chunked")
+    overlap = ("none", "chunked", "microbatch")
     # What the kernels run (csrc/common/limits.h, read by moe_comm.kernels.limits).
     max_ranks = LIMITS.max_ranks  # ranks in one EP group
     max_ranks_per_node = LIMITS.max_ranks_per_node  # EP ranks per (virtual) node

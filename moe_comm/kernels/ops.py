@@ -6,10 +6,9 @@ backward dispatches the output gradient along the forward's routes, scaling by t
 weights and returning the weights' gradients. Both take the SM budget (`num_sms`,
 `network_sms`) from the forward call, kept in the autograd context. The fake kernels compute
 every shape from the ops' arguments (`shape` = [world, local_size, fwd_slots, net_slots]), so
-they need no runtime state. TorchTitan's selective activation checkpointing keeps both ops'
-outputs (moe_comm.titan puts them on its save list), so recomputation never communicates again.
-A forward that ran through a layer's CUDA graphs (moe_comm.kernels.call_graphs) runs its
-backward op through them too.
+they need no runtime state. Under activation checkpointing the recompute never calls them again:
+moe_comm.titan.recompute replays what the forward's calls returned. A forward that ran through a
+layer's CUDA graphs (moe_comm.kernels.call_graphs) runs its backward op through them too.
 """
 
 import torch

@@ -12,8 +12,8 @@ backend, that records per MoE layer
   The interval is that stream's time inside the op, including waits on comm kernels and host
   syncs (NCCL's split-size `.tolist()`).
   Backward intervals may include other autograd nodes the engine runs in between; forward
-  intervals are exact. Recomputation under activation checkpointing is timed too (it is time
-  the step spends), into the forward keys.
+  intervals are exact. Activation checkpointing's recompute does not call the backend (it
+  replays the forward's results: moe_comm.titan.recompute), so it adds nothing here.
 - exposed time: without overlap the op runs on the compute stream, so its interval is all
   exposed. Under an overlap (moe_comm.titan.overlap) the op runs on a side stream and its
   interval is the comm's own duration there; the overlap then reports each place the compute

@@ -408,3 +408,55 @@ def optimizer_bytes(params: float) -> float:
     (8 B; torch's clip_grads_with_norm_ multiplies even when the factor clamps to 1). The three
     kernels of the one-GPU step profiles (results/h200x1/one_gpu_training/profiles)."""
     return 40 * params
+
+
+def comm_kept_bytes(a, tokens: int, ep: int, backend: str, *, overlap: str = "none", act_bytes: int = 2,
+                    recv_capacity_factor: float = 0.0, ranks_per_node: int = 0, align: int = 8) -> float:
+    """Bytes that activation checkpointing keeps per MoE layer and microbatch so that its recompute
+    never calls dispatch or combine (moe_comm.titan.recompute), from the layer's forward to its
+    backward; plain checkpointing kept none of it (it recomputed, and re-sent, it). Add it per MoE
+    layer and microbatch-stage in flight, in every AC mode (without AC it is part of the layer's
+    activations already).
+
+    `tokens`: what the rank routes through the layer per microbatch (T); `act_bytes`: the rows'
+    dtype (2 for bf16: what FSDP's mixed precision and autocast compute in, and what FP8 dispatch
+    dequantises into; 4 without mixed precision). Per dispatch/combine call (two calls of half the
+    tokens each under overlap "chunked"), with K = top_k, D = dim, L = experts per rank, R = the
+    (token, expert) rows a rank receives (T K under balanced routing):
+      * nccl: the expert-major rows (R + L x align, rounded to align) x D and their int32 gather
+        indices; combine's weighted sum saves the (token, k) rows in fp32 (T K D x 4); the sort
+        order and its token index (int64, T K each) and the fp32 routing weights; combine's output.
+      * nvshmem: the expert rows at the buffer's capacity, twice (dispatch's output and
+        combine's saved input: moe_comm.kernels.capacity.expert_rows, a static bound that
+        recv_capacity_factor scales), the handle (int32 slot tables of the recv buffer, fp32
+        slot weights, per-token rank/node positions) and the fp32 routing weights; combine's
+        output.
+      * deepep: the received rows twice (dispatch's permuted output and combine's saved input),
+        their int64 permutation indices and fp32 scores, DeepEP's handle (about 5 bytes per token
+        and EP rank); combine's output.
+    """
+    from moe_comm.backends.base import chunk_sizes, OVERLAP_CHUNKS
+    from moe_comm.kernels import capacity
+
+    m = a.moe_args
+    K, D, E = m.top_k, a.dim, m.num_experts
+    L = E // ep
+    total = 0.0
+    for T in chunk_sizes(tokens, OVERLAP_CHUNKS[overlap]):
+        R = T * K
+        out = T * D * act_bytes
+        if backend == "nccl":
+            padded = -(-(R + L * align) // align) * align
+            total += padded * (D * act_bytes + 4) + R * D * 4 + R * (8 + 8 + 4) + out
+        elif backend == "nvshmem":
+            cap = capacity.expert_rows(T, E, K, ep, recv_capacity_factor, align)
+            G = min(ep, ranks_per_node or ep)
+            sizes = capacity.buffer_sizes(T, E, K, D * act_bytes, ep, G, recv_capacity_factor)
+            slots = G * sizes.fwd_slots
+            handle = T * (G + sizes.nodes) * 4 + sizes.net_slots * G * 4 + slots * (K * 8 + 4)
+            total += 2 * cap * D * act_bytes + handle + R * 4 + out
+        elif backend == "deepep":
+            total += 2 * R * D * act_bytes + R * (8 + 8 + 8 + 4) + T * ep * 5 + out
+        else:
+            raise ValueError(f"backend {backend!r} is not one of nccl, nvshmem, deepep")
+    return total

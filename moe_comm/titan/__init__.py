@@ -10,8 +10,10 @@ group, so importing it:
   2. adds our flavors ("671B_layers") to TorchTitan's deepseekv3_args, and a "<flavor>_varlen"
      twin of each with variable-length block-causal attention (moe_comm.titan.attention);
   3. registers two train specs:
-     - "deepseek_v3_moe_comm": TorchTitan's deepseek_v3 spec with our model (token-level MoE)
-       and parallelize_fn (EP through the [moe_comm] backend), and moe_comm.metrics' processor;
+     - "deepseek_v3_moe_comm": TorchTitan's deepseek_v3 spec with our model (token-level MoE),
+       parallelize_fn (EP through the [moe_comm] backend), pipelining_fn (TorchTitan's, whose
+       schedule overlaps microbatches under [moe_comm] overlap = "microbatch") and
+       moe_comm.metrics' processor;
      - "deepseek_v3_titan": TorchTitan's own deepseek_v3 path, untouched except that on CPU FSDP
        reduces with SUM (gloo has no PREMUL_SUM), with moe_comm.metrics' processor (it only
        observes: its JSONL holds the exact losses). The bitwise "nccl" test compares against it.
@@ -36,7 +38,7 @@ from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
 from torchtitan.protocols.train_spec import register_train_spec, TrainSpec
 
 from moe_comm import metrics
-from moe_comm.titan import flavors
+from moe_comm.titan import flavors, pipeline
 from moe_comm.titan.model import MoECommDeepSeekV3Model
 from moe_comm.titan.parallelize import parallelize_deepseekv3_moe_comm
 
@@ -56,6 +58,7 @@ def get_train_spec() -> TrainSpec:
         _titan_dsv3_train_spec(),
         model_cls=MoECommDeepSeekV3Model,
         parallelize_fn=parallelize_deepseekv3_moe_comm,
+        pipelining_fn=pipeline.pipeline_llm,
         build_metrics_processor_fn=metrics.build_metrics_processor,
     )
 

@@ -19,9 +19,14 @@ the recipe's backend is what runs: at EP 1 nothing crosses a link, and the backe
 kernels) is what the step pays. Rows reach the experts already laid out for the grouped GEMM
 (`TokenLevelExperts`).
 
-With `[moe_comm] overlap = "chunked"`, or under DualPipeV's EP overlap (`dual_pipe_v`, set by
-moe_comm.titan.parallelize), the tail after the router is moe_comm.titan.overlap's: dispatch and
-combine on the comm stream, chunk by chunk, beside the experts' compute.
+With `[moe_comm] overlap = "chunked"`, or under an overlap across microbatches (DualPipeV's EP
+overlap or overlap "microbatch": `sync_points`, set by moe_comm.titan.parallelize), the tail
+after the router is moe_comm.titan.overlap's: dispatch and combine on the comm stream, chunk by
+chunk or between TorchTitan's sync points, beside the other compute.
+
+Every dispatch and combine call goes through moe_comm.titan.recompute, so under activation
+checkpointing the backward's recompute replays what the forward's calls returned instead of
+communicating again.
 
 Without a backend (a model built outside moe_comm.titan's parallelize) it runs TorchTitan's
 standard forward.
@@ -37,7 +42,7 @@ from torchtitan.models.moe import moe as titan_moe
 from torchtitan.models.moe.moe import GroupedExperts, MoEArgs
 
 from moe_comm.backends.base import CommBackend
-from moe_comm.titan import attention, overlap
+from moe_comm.titan import attention, overlap, recompute
 
 
 class TokenLevelExperts(GroupedExperts):
@@ -96,8 +101,9 @@ class TokenLevelMoE(MoE):
         )
         # Set by moe_comm.titan.expert_parallel.apply_backend_ep (every EP degree).
         self.comm_backend: CommBackend | None = None
-        # Set by moe_comm.titan.parallelize under DualPipeV's EP overlap (TorchTitan's sync points).
-        self.dual_pipe_v = False
+        # Set by moe_comm.titan.parallelize under an overlap across microbatches (TorchTitan's
+        # sync points: DualPipeV's EP overlap, or overlap "microbatch").
+        self.sync_points = False
         self._fsdp_chunks_registered = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,19 +119,20 @@ class TokenLevelMoE(MoE):
             self.tokens_per_expert.add_(num_tokens_per_expert_E)
 
         chunked = self.comm_backend.config.overlap == "chunked"
-        if chunked or self.dual_pipe_v:
+        if chunked or self.sync_points:
             self._register_fsdp_chunks()
             out_TD = overlap.overlapped_moe(
                 self, x_TD, topk_idx_TK, topk_w_TK, chunks=overlap.CHUNKS if chunked else 1,
-                dual_pipe_v=self.dual_pipe_v,
+                sync_points=self.sync_points,
             )
             return out_TD.reshape(bs, slen, dim)
 
         # recv_x_RD: this rank's experts' rows, expert-major, each segment padded for grouped_mm
-        dispatched = self.comm_backend.dispatch(x_TD, topk_idx_TK, topk_w_TK)
+        # (under activation checkpointing, the recompute replays what the forward's calls returned)
+        dispatched = recompute.dispatch(self.comm_backend, x_TD, topk_idx_TK, topk_w_TK)
         y_RD = self.experts(dispatched.recv_x_RD, dispatched.tokens_per_expert_L)
         # back to token order, weighted by topk_w_TK (fp32 accumulation)
-        routed_out_TD = self.comm_backend.combine(y_RD, dispatched.handle)
+        routed_out_TD = recompute.combine(self.comm_backend, y_RD, dispatched.handle)
 
         if self.shared_experts is None:
             return routed_out_TD.reshape(bs, slen, dim)

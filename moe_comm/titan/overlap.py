@@ -13,13 +13,14 @@ Two ways, both driven from `TokenLevelMoE.forward` (moe_comm.titan.model):
   combine(c0) behind experts(c1); combine(c1) stays exposed. Both chunks' experts are one call
   of the experts module (`TokenLevelExperts.forward_chunks`), so FSDP gathers and reduces the
   expert weights once per layer, as without chunking.
-- DualPipeV's EP overlap (TorchTitan 0.2.2's `ScheduleDualPipeV` with
-  `pipeline_parallel_expert_parallel_overlap`): one chunk, and TorchTitan's sync points A and
-  B around dispatch, C and D around combine, where TorchTitan's `DualPipeExpertParallel` puts
-  them. TorchTitan's overlap callback runs one microbatch's forward and another's backward in two
-  threads that meet at these points, so one thread's communication runs while the other
-  computes; only one thread issues communication between two points, so every rank issues it
-  in the same order. Comm runs on C here too, so the nvshmem kernels (which run on the current
+- across microbatches, under DualPipeV's EP overlap (TorchTitan 0.2.2's `ScheduleDualPipeV`
+  with `pipeline_parallel_expert_parallel_overlap`) or `[moe_comm] overlap = "microbatch"`
+  (Interleaved1F1B's steady state: moe_comm.titan.pipeline): one chunk, and TorchTitan's sync
+  points A and B around dispatch, C and D around combine, where TorchTitan's
+  `DualPipeExpertParallel` puts them (`sync_points`). TorchTitan's overlap callback runs one
+  microbatch's forward and another's backward in two threads that meet at these points, so one
+  thread's communication runs while the other computes; only one thread issues communication
+  between two points, so every rank issues it in the same order. Comm runs on C here too, so the nvshmem kernels (which run on the current
   stream) do not queue behind the other thread's compute. Each handoff marks its stream before
   the sync point and waits after it, so neither thread's wait covers the other thread's next
   work; autograd's own syncs at the backward's handoffs are made when a node returns, after the
@@ -28,8 +29,8 @@ Two ways, both driven from `TokenLevelMoE.forward` (moe_comm.titan.model):
 Why one comm stream per process, not one per layer: the nvshmem kernels share one set of
 symmetric buffers and per-kind call counters per process (csrc/runtime/buffers.h), so two of
 their calls must never run at once, and every rank must issue them in the same order. One
-stream runs them in issue order, which is the program's order on every rank (and, under
-DualPipeV, the order the sync points impose on the two threads). It is created with high
+stream runs them in issue order, which is the program's order on every rank (and, across
+microbatches, the order the sync points impose on the two threads). It is created with high
 priority, so its kernels' blocks are scheduled ahead of queued GEMM blocks: the nvshmem and
 DeepEP kernels are cooperative launches on `num_sms` blocks that must all be resident at once,
 and they spin on their peers. The local layout kernels (plan, expand, reduce) of the nvshmem
@@ -40,11 +41,15 @@ on the producing stream, makes the consuming stream wait for it, and `record_str
 on the consumer, so the caching allocator never reuses their memory while the other stream may
 still read it. Autograd runs every op's backward on the stream its forward ran on (dispatch and
 combine on C) and syncs producer and consumer streams itself; `_ToComm`'s backward (on C) hands
-the gradients coming out of a comm op's backward to S explicitly, timing that wait. Activation
-checkpointing re-runs the same forward in the backward, on the stream of the backward node that
-needs the recomputed tensors; `_FromComm`'s backward (on S) is the first node of the layer that
-unpacks a saved tensor, so the recompute always starts on S (starting it from a node on C would
-recompute the whole block on C, with nothing ordering S after it).
+the gradients coming out of a comm op's backward to S explicitly, timing that wait.
+
+Activation checkpointing (moe_comm.titan.recompute) re-runs the block's forward in the backward,
+but its dispatch and combine calls replay what the forward's returned, and what their backward
+nodes (on C) saved is the forward's own tensors, never recomputed ones. So the recompute needs C
+for nothing: it runs inline on the stream that triggered it, which is S (no node on C unpacks a
+checkpointed tensor), with no handoff, no sync point and no timed wait. That matters under an
+overlapped pipeline action, where C holds the other microbatch's communication: a recompute that
+waited on C would stall S behind it.
 
 What each handoff cost the compute stream is reported to the instrumented backend
 (`record_wait`: an event on S before and after the wait), so the metrics count as exposed only the
@@ -67,6 +72,7 @@ import torch
 from torchtitan.distributed import dual_pipe_v
 
 from moe_comm.backends.base import chunk_sizes, OVERLAP_CHUNKS
+from moe_comm.titan import recompute
 
 CHUNKS = OVERLAP_CHUNKS["chunked"]
 
@@ -86,10 +92,11 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 class Streams:
     """The compute stream S (current when the layer runs) and the comm stream C, and the few
     operations the handoffs make on them. Without CUDA both are None and every operation is a
-    no-op (CPU ops are synchronous)."""
+    no-op (CPU ops are synchronous); `inline` (a recompute) makes them no-ops on CUDA too:
+    everything runs on the current stream."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, inline: bool = False):
+        self.cuda = device.type == "cuda" and not inline
         self.compute = torch.cuda.current_stream(device) if self.cuda else None
         self.comm = comm_stream(device) if self.cuda else None
 
@@ -132,7 +139,7 @@ class Streams:
 @dataclass
 class Handoff:
     """One crossing between the streams: which comm op it belongs to (for the timing), the
-    DualPipeV sync point it is (None outside DualPipeV), and where to report waits."""
+    sync point it is (None outside an overlap across microbatches), and where to report waits."""
 
     streams: Streams
     op: str  # "dispatch" or "combine"
@@ -174,7 +181,7 @@ def _views(ctx, tensors) -> tuple:
 class _ToComm(torch.autograd.Function):
     """S -> C for the tensors a comm op reads. Called with C current, so autograd runs its
     backward on C, right after the comm op's backward: there it hands the op's input gradients
-    back to S (the timed wait) before the sync point lets the other DualPipeV thread go on."""
+    back to S (the timed wait) before the sync point lets the other thread go on."""
 
     @staticmethod
     def forward(ctx, handoff: Handoff, ready, *tensors):
@@ -201,8 +208,7 @@ class _ToComm(torch.autograd.Function):
 
 class _FromComm(torch.autograd.Function):
     """C -> S for what a comm op returns. Called with S current: the forward makes S wait for
-    the op (timed); the backward runs on S and is where activation checkpointing recomputes
-    the layer (see the module doc), then hands the gradients to C, the comm op's backward."""
+    the op (timed); the backward runs on S and hands the gradients to C, the comm op's backward."""
 
     @staticmethod
     def forward(ctx, handoff: Handoff, done, *tensors):
@@ -214,13 +220,10 @@ class _FromComm(torch.autograd.Function):
         handoff.sync_forward(ctx)
         handoff.report(f"{handoff.op}_fwd", s.timed_wait(done) if s.cuda else None)
         s.hand_over(tensors, s.compute)
-        # A saved tensor, so that under activation checkpointing this node (on S) unpacks first.
-        ctx.save_for_backward(torch.empty(0, device=tensors[0].device))
         return _views(ctx, tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.saved_tensors  # noqa: B018  unpacking it is what starts the recompute, here on S
         h = ctx.handoff
         h.sync_backward()
         h.streams.hand_over(grads, h.streams.comm)
@@ -239,9 +242,10 @@ def from_comm(handoff: Handoff, *tensors, done=None) -> tuple:
 
 @torch.compiler.disable  # streams, events and host syncs inside: eager, as the comm ops are
 def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
-                   chunks: int, dual_pipe_v: bool) -> torch.Tensor:
+                   chunks: int, sync_points: bool) -> torch.Tensor:
     """`moe`'s routed + shared experts output for x_TD, its comm overlapped (module doc):
-    `chunks` = 2 for "chunked", 1 with DualPipeV's sync points (`dual_pipe_v`).
+    `chunks` = 2 for "chunked", 1 with TorchTitan's sync points (`sync_points`: an overlap
+    across microbatches).
 
     Every wait is on an event marked right after the op it waits for, so the issue order on the
     host only matters for the nccl backend (host syncs) and for the backward: autograd issues
@@ -250,26 +254,29 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
     compute stream waits for it, behind experts(c1)'s backward; the dispatches' backwards run
     beside the shared experts' backward."""
     backend = moe.comm_backend
-    streams = Streams(x_TD.device)
+    # a recompute replays the comm calls: inline on S, no sync points, nothing to time (module doc)
+    recomputing = recompute.replaying()
+    streams = Streams(x_TD.device, inline=recomputing)
     # waits are reported for training steps only, as the instrument times only those
-    record_wait = getattr(backend, "record_wait", None) if torch.is_grad_enabled() else None
+    record_wait = getattr(backend, "record_wait", None) if torch.is_grad_enabled() and not recomputing else None
+    meet = sync_points and not recomputing
 
     def handoff(op: str, point: str) -> Handoff:
-        return Handoff(streams, op, point if dual_pipe_v else None, record_wait)
+        return Handoff(streams, op, point if meet else None, record_wait)
 
     sizes = chunk_sizes(x_TD.shape[0], chunks)
     with streams.on_comm():
         # A: C waits for the router; the shared experts below are not in that wait
         x_comm, idx_comm, w_comm = to_comm(handoff("dispatch", "A"), x_TD, topk_idx_TK, topk_w_TK)
     # Issued before the dispatches, so S computes them while a host-syncing dispatch (nccl)
-    # waits for its counts. DualPipeV computes them after combine, as TorchTitan does.
+    # waits for its counts. With sync points they come after combine, as TorchTitan's DualPipeV.
     shared_TD = None
-    if moe.shared_experts is not None and not dual_pipe_v:
+    if moe.shared_experts is not None and not sync_points:
         shared_TD = moe.shared_experts(x_TD)
     dispatched, dispatch_done = [], []
     with streams.on_comm():
         for x, idx, w in zip(x_comm.split(sizes), idx_comm.split(sizes), w_comm.split(sizes)):
-            dispatched.append(backend.dispatch(x, idx, w))
+            dispatched.append(recompute.dispatch(backend, x, idx, w))
             dispatch_done.append(streams.mark(streams.comm))
 
     def receive(i, recv_x_RD, tokens_per_expert_L):  # B: S waits for chunk i's dispatch only
@@ -278,10 +285,10 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
     def send(i, y_RD, ready):  # C: C waits for chunk i's experts only, then its combine
         with streams.on_comm():
             (y_RD,) = to_comm(handoff("combine", "C"), y_RD, ready=ready)
-            return backend.combine(y_RD, dispatched[i].handle)
+            return recompute.combine(backend, y_RD, dispatched[i].handle)
 
     chunks_in = [(d.recv_x_RD, d.tokens_per_expert_L) for d in dispatched]
-    if dual_pipe_v:
+    if sync_points:
         # B before the experts module (and its FSDP hooks), C and combine after it, as
         # TorchTitan's DualPipeExpertParallel places them
         chunks_in = [receive(i, *c) for i, c in enumerate(chunks_in)]
@@ -291,16 +298,17 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
         outs, _ = moe.experts.forward_chunks(chunks_in, streams, receive, send)
     outs = from_comm(handoff("combine", "D"), *outs)  # D: S waits for every combine
     routed_TD = torch.cat(outs) if chunks > 1 else outs[0]
-    if moe.shared_experts is not None and dual_pipe_v:
+    if moe.shared_experts is not None and sync_points:
         shared_TD = moe.shared_experts(x_TD)
     return routed_TD if shared_TD is None else shared_TD + routed_TD
 
 
-def use_dual_pipe_v_sync_points(model: torch.nn.Module) -> None:
-    """Under DualPipeV's EP overlap: every MoE layer of this model part passes TorchTitan's sync
-    points A-D around its dispatch and combine (what DualPipeExpertParallel does to TorchTitan's)."""
+def use_sync_points(model: torch.nn.Module) -> None:
+    """Under an overlap across microbatches (DualPipeV's EP overlap, or overlap "microbatch"):
+    every MoE layer of this model part passes TorchTitan's sync points A-D around its dispatch
+    and combine (what DualPipeExpertParallel does to TorchTitan's)."""
     from moe_comm.titan.model import TokenLevelMoE
 
     for block in model.layers.values():
         if block.moe_enabled and isinstance(block.moe, TokenLevelMoE):
-            block.moe.dual_pipe_v = True
+            block.moe.sync_points = True

@@ -3,8 +3,12 @@
 It is `torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` step for step,
 composed from TorchTitan's own functions (apply_non_moe_tp, apply_ac, apply_compile, apply_fsdp,
 apply_ddp), except that expert parallelism goes through `apply_backend_ep` (the [moe_comm]
-backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks, and DualPipeV's
-sync points go into our MoE layers (moe_comm.titan.overlap) instead of DualPipeExpertParallel.
+backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks, DualPipeV's sync
+points go into our MoE layers (moe_comm.titan.overlap) instead of DualPipeExpertParallel (and
+under [moe_comm] overlap = "microbatch" too), and an MoE block's activation checkpoint replays
+its dispatch and combine in the recompute (moe_comm.titan.recompute) instead of running them
+again, which lets DualPipeV's EP overlap run with activation checkpointing (TorchTitan's
+get_dual_pipe_v_flag refuses that).
 Before building, it asks the checks `check`, `submit` and `train` ran before launch
 (moe_comm.recipe.check_layout and the backend's check_run) again, with what the ranks see,
 rather than re-checking by hand.
@@ -17,8 +21,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import JobConfig, TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.dual_pipe_v import get_dual_pipe_v_flag
 from torchtitan.distributed.tensor_parallel import maybe_enable_async_tp
 from torchtitan.models.deepseek_v3.infra import parallelize as titan_dsv3
 from torchtitan.models.llama3.infra.parallelize import apply_ddp
@@ -28,26 +30,9 @@ from torchtitan.tools.logging import logger
 from moe_comm import gpus, recipe
 from moe_comm.backends import backend_class
 from moe_comm.predict.estimate import Layout
-from moe_comm.titan import cpu
+from moe_comm.titan import cpu, recompute
 from moe_comm.titan.expert_parallel import apply_backend_ep
-from moe_comm.titan.overlap import use_dual_pipe_v_sync_points
-
-
-def sac_save_list(backend: str) -> set:
-    """TorchTitan's selective-AC save list plus the chosen backend's comm ops, so selective AC
-    never re-runs dispatch/combine in the backward (the nccl backend's all-to-all is on it)."""
-    save_list = set(titan_dsv3._op_sac_save_list)
-    # torch.ops.moe_comm exists once an NvshmemBackend was built (apply_backend_ep, before this):
-    # it loads the CUDA library that registers the ops.
-    if backend == "nvshmem" and hasattr(torch.ops.moe_comm, "dispatch"):
-        save_list.add(torch.ops.moe_comm.dispatch.default)
-        save_list.add(torch.ops.moe_comm.combine.default)
-    elif backend == "deepep":
-        import moe_comm.backends.deepep  # noqa: F401  registers torch.ops.deepep
-
-        save_list.add(torch.ops.deepep.dispatch.default)
-        save_list.add(torch.ops.deepep.combine.default)
-    return save_list
+from moe_comm.titan.overlap import use_sync_points
 
 
 def run_layout(parallel_dims: ParallelDims) -> Layout:
@@ -71,6 +56,14 @@ def check_before_build(model: nn.Module, parallel_dims: ParallelDims, job_config
         launch_env=dict(os.environ), launch_env_source="this process's environment",
     )
     backend_class(job_config.moe_comm.backend).check_run(plan)
+
+
+def dual_pipe_v(job_config: JobConfig, parallel_dims: ParallelDims) -> bool:
+    """TorchTitan's get_dual_pipe_v_flag without its refusal of activation checkpointing, which
+    our recompute makes comm-free (the recipe check refuses what does not compose)."""
+    p = job_config.parallelism
+    return (parallel_dims.ep_enabled and parallel_dims.pp_enabled and p.pipeline_parallel_expert_parallel_overlap
+            and p.pipeline_parallel_schedule.lower() == "dualpipev")
 
 
 def ep_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
@@ -113,11 +106,11 @@ def parallelize_deepseekv3_moe_comm(
         )
 
     apply_backend_ep(model, ep_mesh(parallel_dims), job_config.moe_comm)
-    # DualPipeV's EP overlap: TorchTitan wraps its ExpertParallel in DualPipeExpertParallel;
-    # our dispatch/combine live in TokenLevelMoE.forward, so its sync points go there. (Its
-    # refusal of activation checkpointing ran before launch, in the backend's check_run.)
-    if get_dual_pipe_v_flag(job_config, parallel_dims):
-        use_dual_pipe_v_sync_points(model)
+    # An overlap across microbatches: TorchTitan wraps its ExpertParallel in DualPipeExpertParallel
+    # under DualPipeV; our dispatch/combine live in TokenLevelMoE.forward, so the sync points go
+    # there, for DualPipeV and for overlap "microbatch" (moe_comm.titan.pipeline) alike.
+    if dual_pipe_v(job_config, parallel_dims) or job_config.moe_comm.overlap == "microbatch":
+        use_sync_points(model)
 
     if parallel_dims.cp_enabled:
         from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
@@ -130,11 +123,11 @@ def parallelize_deepseekv3_moe_comm(
 
     model_compile_enabled = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
-        apply_ac(
+        # TorchTitan's, except that an MoE block's recompute replays its dispatch and combine
+        recompute.apply_ac(
             model,
             job_config.activation_checkpoint,
             model_compile_enabled=model_compile_enabled,
-            op_sac_save_list=sac_save_list(job_config.moe_comm.backend),
             base_folder=job_config.job.dump_folder,
         )
     if model_compile_enabled:

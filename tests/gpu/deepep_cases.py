@@ -119,6 +119,16 @@ class Cases:
         overlap_cases.calls_in_flight(self.rank, self.world, self.device, route, self.backend(num_experts, top_k, hidden),
                                       hidden, num_experts, top_k, iters, min_tokens=2)
 
+    def overlap_microbatch_calls(self, hidden, num_experts, top_k, iters):
+        """One microbatch's forward calls beside another's backward in two threads meeting at the
+        sync points (tests/gpu/overlap_cases.py)."""
+        def route(T, E, K, mode, g):
+            return routing(T, E, K, mode, g, self.device)
+
+        overlap_cases.microbatch_calls_in_flight(self.rank, self.world, self.device, route,
+                                                 self.backend(num_experts, top_k, hidden), hidden, num_experts,
+                                                 top_k, iters)
+
 
 def main():
     faulthandler.enable()
@@ -134,6 +144,7 @@ def main():
     log.run("grad_h2048_top6", c.forward_backward, 256, 2048, 16 * W, 6, 5)
     log.run("grad_h7168_top8", c.forward_backward, 256, 7168, 32 * W, 8, 6)
     log.run("overlap_calls_in_flight", c.overlap_calls_in_flight, 2048, 16 * W, 8, 20)
+    log.run("overlap_microbatch_calls_in_flight", c.overlap_microbatch_calls, 2048, 16 * W, 8, 10)
     merged = log.merged()
     if c.rank == 0:
         with open(report, "w") as f:

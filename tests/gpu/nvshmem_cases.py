@@ -496,6 +496,20 @@ class Cases:
         overlap_cases.layer_matches_plain(self.rank, self.world, self.device,
                                           lambda e, k, h: self.backend(e, k, h))
 
+    def overlap_microbatch_calls(self, hidden, num_experts, top_k, iters):
+        """One microbatch's forward calls beside another's backward in two threads meeting at the
+        sync points, the comm on the comm stream, against the pure-torch reference
+        (tests/gpu/overlap_cases.py)."""
+        overlap_cases.microbatch_calls_in_flight(self.rank, self.world, self.device, self.route,
+                                                 self.backend(num_experts, top_k, hidden), hidden, num_experts,
+                                                 top_k, iters)
+
+    def overlap_microbatch_layer(self):
+        """A model of two MoE layers on these kernels: a forward beside another microbatch's
+        backward (AC none and full) equals them one after the other (tests/gpu/overlap_cases.py)."""
+        overlap_cases.microbatch_layer_matches_plain(self.rank, self.world, self.device,
+                                                     lambda e, k, h: self.backend(e, k, h))
+
     def hang(self):
         """Rank 1 skips one combine and then dispatches again: every rank must raise an error
         naming a peer within the timeout, and no kernel may be left spinning. Every process then
@@ -563,6 +577,8 @@ def main():
         log.run("bad_input_errors", c.bad_input)
         log.run("overlap_calls_in_flight", c.overlap_calls_in_flight, 2048, 16 * W, 8, 30)
         log.run("overlap_layer_matches_plain", c.overlap_layer)
+        log.run("overlap_microbatch_calls_in_flight", c.overlap_microbatch_calls, 2048, 16 * W, 8, 10)
+        log.run("overlap_microbatch_layer_matches_plain", c.overlap_microbatch_layer)
         if W == 1:
             log.run("moe_layer_ep1_against_nccl", c.moe_layer_ep1_against_nccl, 1024, 2048, 16, 4, 21)
             log.run("emulated_link_holds", c.emulated_link_holds, 2048, 16, 8)

@@ -10,16 +10,34 @@ check, because CPU ops have no streams.
 - `layer_matches_plain`: TorchTitan's debug model (one dense and two MoE layers, every MoE layer
   on the backend, expert weights sharded over the ranks) trained one step with overlap "chunked"
   and with "none" from the same weights, with activation checkpointing none, full and per-op
-  selective (the backend's ops on the save list): the loss and every gradient agree. fp32 with
+  selective: the loss and every gradient agree, and the backend's dispatch and combine are called
+  once per layer and chunk in a step, whatever the AC mode (the recompute replays them:
+  moe_comm.titan.recompute). fp32 with
   the for-loop experts: 1e-4 (the expert weights' gradient is a sum over two chunks); bf16
   grouped GEMMs: 2e-2 of each gradient's largest value (each chunk's expert-weight gradient is
   rounded to bf16 on its own). The metrics' waits were recorded in forward and backward.
 
-Both also run on CPU with the nccl backend (tests/test_overlap.py), where every stream
+- `microbatch_calls_in_flight`: the overlap across microbatches (DualPipeV's, and overlap
+  "microbatch": moe_comm.titan.pipeline) by hand: one microbatch's forward calls (dispatch,
+  experts, combine through the handoffs with TorchTitan's sync points) in this thread while
+  another's backward (combine's and dispatch's backwards) runs in a second thread on the same
+  compute stream, both meeting at the sync points, the comm on the process's comm stream; many
+  iterations with fresh routing; the forward's output and the backward's gradients (x and the
+  routing weights) against the pure-torch reference (tests/gpu/oracles.py).
+- `microbatch_layer_matches_plain`: the debug model with sync points on both MoE layers, two
+  microbatches: one's forward beside the other's backward in two threads (as torch's
+  OVERLAP_F_B runs them under TorchTitan's callback), against forward, backward, forward,
+  backward in one thread, with activation checkpointing none and full (the backward thread's
+  recompute passes no sync point and calls no comm op): the losses and the accumulated
+  gradients agree (tolerances as above), the threads met at every sync point, and dispatch and
+  combine ran once per layer and microbatch.
+
+All also run on CPU with the nccl backend (tests/test_overlap.py), where every stream
 operation is a no-op: that checks the cases themselves, not the streams.
 """
 
 import copy
+import threading
 
 import torch
 
@@ -90,12 +108,11 @@ def calls_in_flight(rank, world, device, route, backend, hidden, num_experts, to
 
 def _model(rank, world, device, make_backend, ac, grouped_mm):
     from torchtitan.config.job_config import ActivationCheckpoint
-    from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
     from moe_comm.metrics import instrument
+    from moe_comm.titan import recompute
     from moe_comm.titan.model import MoECommDeepSeekV3Model
-    from moe_comm.titan.parallelize import sac_save_list
 
     args = copy.deepcopy(deepseekv3_args["debugmodel"])
     args.moe_impl = "standard"
@@ -118,9 +135,24 @@ def _model(rank, world, device, make_backend, ac, grouped_mm):
             backends.append(block.moe.comm_backend)
     if ac != "none":
         mode, option = ac.split(":")
-        apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option),
-                 op_sac_save_list=sac_save_list(backends[0].name))
+        recompute.apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option),
+                           model_compile_enabled=False, base_folder="")
     return model, backends
+
+
+def _count_calls(backends) -> dict:
+    """Counts the calls of every instrumented backend's own dispatch and combine."""
+    calls = {"dispatch": 0, "combine": 0}
+    for b in backends:
+        for op in calls:
+            real = getattr(b.backend, op)
+
+            def counted(*args, _real=real, _op=op):
+                calls[_op] += 1
+                return _real(*args)
+
+            setattr(b.backend, op, counted)
+    return calls
 
 
 def layer_matches_plain(rank, world, device, make_backend):
@@ -129,13 +161,18 @@ def layer_matches_plain(rank, world, device, make_backend):
     for grouped_mm, tol in ((False, 1e-4), (True, 2e-2)):
         for ac in ("none", "full:2", "selective:op"):
             model, backends = _model(rank, world, device, make_backend, ac, grouped_mm)
+            calls = _count_calls(backends)
             results, timing, waits = {}, {}, set()
             for mode in ("none", "chunked"):
                 for backend in backends:
                     backend.config.overlap = mode
                 model.zero_grad(set_to_none=True)
+                calls.update(dispatch=0, combine=0)
                 loss = model(tokens).float().square().mean()
                 loss.backward()
+                chunks = 2 if mode == "chunked" else 1
+                if calls != {"dispatch": 2 * chunks, "combine": 2 * chunks}:
+                    failures.append(f"grouped_mm={grouped_mm} ac={ac} {mode}: calls per step {calls}")
                 results[mode] = (loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
                                               if p.grad is not None})
                 if device.type == "cuda":
@@ -167,5 +204,172 @@ def layer_matches_plain(rank, world, device, make_backend):
                     continue
                 err = (grads_chunked[name] - g).abs().max().item()
                 if err > tol * max(g.abs().max().item(), 1e-6):
+                    failures.append(f"{where}: {name} differs by {err} (largest {g.abs().max().item()})")
+    assert not failures, "\n".join(failures)
+
+
+# ---- the overlap across microbatches --------------------------------------------------------------
+
+def _in_two_threads(device, forward, backward, num_layers):
+    """`forward()` here and `backward()` in a second thread on the same current stream, meeting
+    at the MoE layers' sync points (TorchTitan's coordinator, as its overlap callback runs them);
+    (forward's result, sync-point crossings). A failure in either thread ends the other's waits
+    and is raised here."""
+    from torchtitan.distributed import dual_pipe_v
+
+    coordinator = dual_pipe_v._hook_coordinator
+    crossings, errors = [0], []
+    barrier = type(coordinator).barrier
+
+    def counting_barrier(self):
+        if self.is_coordination_enabled():
+            crossings[0] += 1
+        return barrier(self)
+
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def run_backward():
+        try:
+            if stream is not None:
+                torch.cuda.set_stream(stream)
+            backward()
+        except BaseException as e:  # noqa: BLE001 - raised in the calling thread below
+            errors.append(e)
+            coordinator.disable_coordination()
+
+    type(coordinator).barrier = counting_barrier
+    coordinator.enable_coordination(num_layers=num_layers)
+    try:
+        thread = threading.Thread(target=run_backward, daemon=True)
+        thread.start()
+        try:
+            result = forward()
+        except BaseException:
+            coordinator.disable_coordination()  # the backward thread's waits end
+            raise
+        finally:
+            thread.join(timeout=300)
+        if thread.is_alive():
+            raise RuntimeError("the backward thread did not finish within 300 s (a sync point never met)")
+    finally:
+        coordinator.disable_coordination()
+        type(coordinator).barrier = barrier
+    if errors:
+        raise errors[0]
+    return result, crossings[0]
+
+
+def _oracle_layer(s, backend, x, idx, w, first_expert, a, b):
+    """overlapped_moe's handoffs and sync points (one chunk) around dispatch, the oracle's
+    experts and combine."""
+    def handoff(op, point):
+        return overlap.Handoff(s, op, point, None)
+
+    with s.on_comm():
+        xc, ic, wc = overlap.to_comm(handoff("dispatch", "A"), x, idx, w)
+        d = backend.dispatch(xc, ic, wc)
+        done = s.mark(s.comm)
+    recv, counts = overlap.from_comm(handoff("dispatch", "B"), d.recv_x_RD, d.tokens_per_expert_L, done=done)
+    y = _experts_by_row(recv, counts, first_expert, a, b)
+    with s.on_comm():
+        (y,) = overlap.to_comm(handoff("combine", "C"), y)
+        out = backend.combine(y, d.handle)
+    (out,) = overlap.from_comm(handoff("combine", "D"), out)
+    return out
+
+
+def microbatch_calls_in_flight(rank, world, device, route, backend, hidden, num_experts, top_k, iters,
+                               dtype=torch.bfloat16):
+    s = overlap.Streams(device)
+    L = num_experts // world
+    a, b = expert_params(num_experts, hidden, dtype, device, 23)
+    errors = []
+
+    def microbatch(it, tag):
+        g = torch.Generator().manual_seed(700 + it * 31 + tag * 7 + rank)
+        T = 1 + (it * 89 + tag * 41 + rank * 13) % 512
+        x = torch.randn(T, hidden, generator=g).to(dtype).to(device).requires_grad_(True)
+        idx, w = route(T, num_experts, top_k, MODES[(it + tag) % len(MODES)], g)
+        w = w.clone().requires_grad_(True)
+        grad = torch.randn(T, hidden, generator=g).to(dtype).to(device)
+        return x, idx, w, grad
+
+    for it in range(iters):
+        x_a, idx_a, w_a, g_a = microbatch(it, 0)
+        x_b, idx_b, w_b, g_b = microbatch(it, 1)
+        out_a = _oracle_layer(s, backend, x_a, idx_a, w_a, rank * L, a, b)  # A's forward, alone
+        out_b, crossings = _in_two_threads(
+            device,
+            lambda: _oracle_layer(s, backend, x_b, idx_b, w_b, rank * L, a, b),  # B's forward ...
+            lambda: (out_a.float() * g_a.float()).sum().backward(),  # ... beside A's backward
+            num_layers=1,
+        )
+        if crossings != 6:  # A, B, C in the forward thread; C, B, A in the backward thread
+            errors.append(f"iteration {it}: the threads met at {crossings} sync points, not 6")
+        xr = x_a.detach().float().cpu().requires_grad_(True)
+        wr = w_a.detach().cpu().requires_grad_(True)
+        (reference_forward(xr, idx_a.cpu(), wr, a.cpu(), b.cpu()) * g_a.float().cpu()).sum().backward()
+        ref_b = reference_forward(x_b.detach().cpu(), idx_b.cpu(), w_b.detach().cpu(), a.cpu(), b.cpu())
+        for what, got, want, tol in (("forward of B", out_b, ref_b, 3e-2), ("grad x of A", x_a.grad, xr.grad, 3e-2),
+                                     ("grad w of A", w_a.grad, wr.grad, 5e-2)):
+            err = (got.detach().float().cpu() - want).abs().max().item() if want.numel() else 0.0
+            if err > tol * max(1.0, want.abs().max().item() if want.numel() else 0.0):
+                errors.append(f"iteration {it}: {what} differs from the reference by {err}")
+    if s.cuda:
+        torch.cuda.synchronize()
+    if hasattr(backend, "check_errors"):
+        backend.check_errors(synchronize=True)
+    assert not errors, errors
+
+
+def microbatch_layer_matches_plain(rank, world, device, make_backend):
+    tokens = [torch.randint(0, 2048, (1, 64), generator=torch.Generator().manual_seed(60 + 10 * m + rank)).to(device)
+              for m in range(2)]
+    failures = []
+    for grouped_mm, tol in ((False, 1e-4), (True, 2e-2)):
+        for ac in ("none", "full:2"):
+            model, backends = _model(rank, world, device, make_backend, ac, grouped_mm)
+            for block in model.layers.values():
+                if block.moe_enabled:
+                    block.moe.sync_points = True
+            calls = _count_calls(backends)
+            where = f"grouped_mm={grouped_mm} ac={ac}"
+
+            def loss_of(m):
+                return model(tokens[m]).float().square().mean()
+
+            model.zero_grad(set_to_none=True)
+            plain = []
+            for m in range(2):  # forward, backward, forward, backward in this thread
+                loss = loss_of(m)
+                loss.backward()
+                plain.append(loss.item())
+            want = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+            model.zero_grad(set_to_none=True)
+            calls.update(dispatch=0, combine=0)
+            loss_a = loss_of(0)
+            loss_b, crossings = _in_two_threads(device, lambda: loss_of(1), loss_a.backward, num_layers=2)
+            loss_b.backward()
+            got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            for backend in backends:
+                if hasattr(backend.backend, "check_errors"):
+                    backend.backend.check_errors(synchronize=True)
+            # two MoE layers: A B C D A B C (D ends it) and (D) C B A D C B A
+            if crossings != 14:
+                failures.append(f"{where}: the threads met at {crossings} sync points, not 14")
+            if calls != {"dispatch": 4, "combine": 4}:
+                failures.append(f"{where}: calls for two microbatches {calls}, not 4 each")
+            for m, loss in enumerate((loss_a.item(), loss_b.item())):
+                if abs(loss - plain[m]) > tol * max(1.0, abs(plain[m])):
+                    failures.append(f"{where}: microbatch {m}'s loss {loss} vs {plain[m]}")
+            if want.keys() != got.keys():
+                failures.append(f"{where}: gradients for different parameters")
+                continue
+            for name, g in want.items():
+                err = (got[name] - g).abs().max().item()
+                if not torch.isfinite(got[name]).all() or err > tol * max(g.abs().max().item(), 1e-6):
                     failures.append(f"{where}: {name} differs by {err} (largest {g.abs().max().item()})")
     assert not failures, "\n".join(failures)
