@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from experiments import mfu_sweep  # noqa: E402
 from moe_comm import recipe  # noqa: E402
+from moe_comm.layout import flavor_args  # noqa: E402
 from moe_comm.predict import estimate  # noqa: E402
 from moe_comm.metrics import keys  # noqa: E402
 
@@ -64,7 +65,7 @@ def estimated(recipe_path: str, mode: str, batch: int, gpu: str) -> dict:
                     device="cuda", gpu=gpu, check_paths=False)
     c = r.config
     p = c.parallelism
-    mem = estimate.memory_per_gpu(recipe.flavor_args(c), r.layout, c.training.local_batch_size, c.training.seq_len,
+    mem = estimate.memory_per_gpu(flavor_args(c), r.layout, c.training.local_batch_size, c.training.seq_len,
                                   c.activation_checkpoint.mode, microbatch=p.pipeline_parallel_microbatch_size,
                                   pp_schedule=p.pipeline_parallel_schedule,
                                   layers_per_stage=p.pipeline_parallel_layers_per_stage)

@@ -11,6 +11,7 @@ is 1 while any remains. `train` and `submit` refuse the same blockers."""
 import argparse
 
 from moe_comm import gpus, recipe
+from moe_comm.layout import flavor_args
 from moe_comm.predict import estimate
 
 
@@ -50,7 +51,7 @@ def _verdict(total_gib: float, r: recipe.Recipe) -> str:
 
 def report(r: recipe.Recipe) -> str:
     c, lay = r.config, r.layout
-    args = recipe.flavor_args(c)
+    args = flavor_args(c)
     params = estimate.count_params(args)
     t = c.training
     try:

@@ -5,7 +5,7 @@ import importlib
 
 import torch.distributed as dist
 
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, RunPlan
+from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec
 from moe_comm.config import BACKENDS, MoEComm
 from moe_comm.errors import RecipeError
 
@@ -29,4 +29,4 @@ def build_backend(config: MoEComm, layer: MoELayerSpec, ep_group: dist.ProcessGr
     return backend_class(config.backend)(layer, ep_group, config)
 
 
-__all__ = ["CommBackend", "DispatchResult", "MoELayerSpec", "RunPlan", "backend_class", "build_backend"]
+__all__ = ["CommBackend", "DispatchResult", "MoELayerSpec", "backend_class", "build_backend"]

@@ -12,8 +12,7 @@ avoid host syncs, the exact count for the NCCL path).
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from moe_comm import gpus
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
+from moe_comm.layout import RunPlan
 
 
 # Token chunks per MoE layer call for each [moe_comm] overlap (moe_comm.titan.overlap).
@@ -65,67 +65,28 @@ class MoELayerSpec:
     score_before_experts: bool = False
 
 
-@dataclass(frozen=True)
-class RunPlan:
-    """What is known about a run before its backend starts, for `CommBackend.check_run`.
-
-    recipe.py builds it before launch (`check`, `submit`, `train` before torchrun) from the
-    recipe's content and this machine; the model build builds it again from the live process
-    group and device. Fields the caller cannot know are left at their "unknown" value (0, "",
-    None), and a check that needs them says what it could not verify instead of guessing.
-    """
-
-    options: MoEComm  # the [moe_comm] section, overrides applied
-    device: str  # "cuda" or "cpu": where the ranks run
-    ep: int  # ranks in one EP group
-    ranks_per_node: int  # processes per real node
-    nodes: int  # nodes in the job
-    num_experts: int
-    top_k: int
-    hidden: int
-    score_before_experts: bool = False
-    tokens_per_rank: int = 0  # tokens one rank routes per MoE call (0: unknown)
-    param_dtype: str = ""  # [training] mixed_precision_param ("": unknown)
-    converters: tuple[str, ...] = ()
-    gpu: str = ""  # GPU model or device name ("": unknown before launch)
-    gpu_sms: int = 0  # its SM count (0: unknown)
-    launch_env: Mapping[str, str] | None = field(default=None, compare=False)
-    """The environment the ranks start with (None: unknown), e.g. what [cluster] env_file sets."""
-    launch_env_source: str = "the launch environment"  # where launch_env comes from, for messages
-    python_env: str = ""  # "": the ranks run in this Python environment; else where they run
-    activation_checkpoint: str = ""  # [activation_checkpoint] mode ("": unknown)
-    dual_pipe_v: bool = False
-    """TorchTitan's DualPipeV EP overlap is on: pipeline and expert parallelism, [parallelism]
-    pipeline_parallel_schedule = "DualPipeV" and pipeline_parallel_expert_parallel_overlap."""
-
-    @property
-    def ep_nodes(self) -> int:
-        """Real nodes one EP group spans (EP groups are consecutive ranks)."""
-        return max(1, -(-self.ep // self.ranks_per_node))
-
-    @classmethod
-    def for_group(cls, layer: "MoELayerSpec", ep_group: dist.ProcessGroup, config: MoEComm) -> "RunPlan":
-        """The plan as far as a process that builds a backend can see it: its EP group, its
-        device, torchrun's LOCAL_WORLD_SIZE and its environment (what NVSHMEM will read)."""
-        ep = dist.get_world_size(ep_group)
-        world = dist.get_world_size() if dist.is_initialized() else ep
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        device = gpus.this_machine()
-        return cls(
-            options=config,
-            device="cuda" if device else "cpu",
-            ep=ep,
-            ranks_per_node=per_node,
-            nodes=max(1, world // per_node),
-            num_experts=layer.num_experts,
-            top_k=layer.top_k,
-            hidden=layer.hidden,
-            score_before_experts=layer.score_before_experts,
-            gpu=device[0] if device else "",
-            gpu_sms=device[1] if device else 0,
-            launch_env=dict(os.environ),
-            launch_env_source="this process's environment",
-        )
+def run_plan_for_group(layer: MoELayerSpec, ep_group: dist.ProcessGroup, config: MoEComm) -> RunPlan:
+    """The RunPlan as far as a process that builds a backend can see it: its EP group, its
+    device, torchrun's LOCAL_WORLD_SIZE and its environment (what NVSHMEM will read)."""
+    ep = dist.get_world_size(ep_group)
+    world = dist.get_world_size() if dist.is_initialized() else ep
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = gpus.this_machine()
+    return RunPlan(
+        options=config,
+        device="cuda" if device else "cpu",
+        ep=ep,
+        ranks_per_node=per_node,
+        nodes=max(1, world // per_node),
+        num_experts=layer.num_experts,
+        top_k=layer.top_k,
+        hidden=layer.hidden,
+        score_before_experts=layer.score_before_experts,
+        gpu=device[0] if device else "",
+        gpu_sms=device[1] if device else 0,
+        launch_env=dict(os.environ),
+        launch_env_source="this process's environment",
+    )
 
 
 @dataclass
@@ -255,7 +216,7 @@ class CommBackend(ABC):
         self.ep_group = ep_group
         self.ep_size = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
-        type(self).check_run(RunPlan.for_group(layer, ep_group, config))
+        type(self).check_run(run_plan_for_group(layer, ep_group, config))
         self.num_local_experts = layer.num_experts // self.ep_size
 
     @abstractmethod

@@ -21,7 +21,8 @@ import torch
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torchtitan.models.moe.utils import _permute, _unpermute
 
-from moe_comm.backends.base import CommBackend, DispatchResult, RunPlan
+from moe_comm.backends.base import CommBackend, DispatchResult
+from moe_comm.layout import RunPlan
 
 
 @dataclass

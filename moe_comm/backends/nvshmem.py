@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_comm.backends.base import (
-    CommBackend, DispatchResult, MoELayerSpec, rows_in_compute_dtype, RunPlan, tokens_per_call,
-)
+from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, rows_in_compute_dtype, tokens_per_call
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 from moe_comm.kernels import capacity
 from moe_comm.kernels.limits import LIMITS
 from moe_comm.kernels.runtime import NvshmemRuntime, RuntimeRequest, load_library
+from moe_comm.layout import RunPlan
 
 
 @dataclass

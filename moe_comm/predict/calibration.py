@@ -142,7 +142,7 @@ def _fit_nccl_forward(bench: dict) -> tuple[float, float]:
 def _flavor(name: str):
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
-    from moe_comm.titan import flavors
+    from moe_comm.layout import flavors
 
     flavors.register()
     return deepseekv3_args[name]

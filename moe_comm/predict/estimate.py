@@ -47,6 +47,7 @@ one-GPU recipe's runs in results/h200x1 (world 1, autocast; AC none/selective/fu
 
 from dataclasses import dataclass
 
+from moe_comm.layout import Layout
 from moe_comm.predict import schedule
 from moe_comm.predict.schedule import Pipeline
 
@@ -99,26 +100,6 @@ def count_params(a) -> ParamCounts:
         routed_experts=n_moe * routed,
         per_block_max=max(dense_block if a.n_dense_layers else 0, moe_block if n_moe else 0),
     )
-
-
-@dataclass
-class Layout:
-    """The resolved parallel layout (TorchTitan's ParallelDims degrees) and its process count."""
-
-    world: int
-    nodes: int
-    procs_per_node: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-
-    @property
-    def efsdp(self) -> int:
-        return self.dp_shard * self.cp * self.tp // (self.etp * self.ep)
 
 
 def _act_bytes_per_token(a, moe_layer: bool) -> float:

@@ -159,7 +159,7 @@ def _ms(p: dict, phase: str) -> float:
 def _flavor_case_args(case: dict):
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
-    from moe_comm.titan import flavors
+    from moe_comm.layout import flavors
 
     flavors.register()
     return deepseekv3_args[case["flavor"]]

@@ -26,6 +26,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+from moe_comm import layout as run_layout
 from moe_comm.metrics.peaks import table_peaks
 from moe_comm.predict import estimate, schedule, scale_model
 from moe_comm.predict.calibration import Calibration
@@ -208,7 +209,7 @@ def _kept(lay: Layout, keep: dict) -> bool:
 def _workload(req: Request, lay: Layout) -> scale_model.Workload:
     world = req.nodes * req.gpus_per_node
     dp = world // lay.pp
-    layout = estimate.Layout(world, req.nodes, req.gpus_per_node, 1, dp, 1, 1, lay.pp, lay.ep, 1)
+    layout = run_layout.Layout(world, req.nodes, req.gpus_per_node, 1, dp, 1, 1, lay.pp, lay.ep, 1)
     return replace(req.base, layout=layout, local_batch=lay.local_batch, microbatch=lay.microbatch,
                    ac_mode=lay.ac, pp_schedule=lay.schedule, layers_per_stage=lay.layers_per_stage,
                    overlap=lay.overlap)

@@ -28,6 +28,7 @@ collectives overlap compute except the first all-gather and the last reduce-scat
 
 from dataclasses import dataclass
 
+from moe_comm.layout import flavor_args, Layout
 from moe_comm.metrics.peaks import table_peaks
 from moe_comm.predict import estimate, layer_compute, schedule
 from moe_comm.predict.assumptions import READ, REPO
@@ -87,7 +88,7 @@ class Workload:
 
     flavor: str
     args: object
-    layout: estimate.Layout
+    layout: Layout
     local_batch: int
     seq_len: int
     microbatch: int
@@ -139,10 +140,8 @@ def routing_for(config, args) -> str:
 
 
 def workload_from_recipe(r) -> Workload:
-    from moe_comm import recipe as recipe_mod
-
     c = r.config
-    args = recipe_mod.flavor_args(c)
+    args = flavor_args(c)
     return Workload(
         flavor=c.model.flavor, args=args, layout=r.layout, local_batch=c.training.local_batch_size,
         seq_len=c.training.seq_len, microbatch=c.parallelism.pipeline_parallel_microbatch_size,
@@ -176,14 +175,14 @@ def workload_from_spec(spec: dict, cal: Calibration | None = None) -> tuple[Work
         return w, cal and cluster_for(spec["gpu"], r.layout.nodes, r.layout.procs_per_node, cal)
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
-    from moe_comm.titan import flavors
+    from moe_comm.layout import flavors
 
     flavors.register()
     f = spec["workload"]
     nodes, per_node = spec["nodes"], spec["gpus_per_node"]
     world = nodes * per_node
     tp, pp, ep = f.get("tp", 1), f.get("pp", 1), f["ep"]
-    layout = estimate.Layout(world, nodes, per_node, 1, world // (tp * pp), 1, tp, pp, ep, 1)
+    layout = Layout(world, nodes, per_node, 1, world // (tp * pp), 1, tp, pp, ep, 1)
     w = Workload(
         flavor=f["flavor"], args=deepseekv3_args[f["flavor"]], layout=layout, local_batch=f["local_batch"],
         seq_len=f["seq_len"], microbatch=f.get("microbatch", 1), ac_mode=f["ac_mode"],
@@ -558,7 +557,7 @@ def bench_round_trip(backend: str, tokens: int, hidden: int, top_k: int, experts
     from torchtitan.models.moe import MoEArgs
 
     args = MoEShape(hidden, MoEArgs(num_experts=experts, top_k=top_k))
-    lay = estimate.Layout(world, 1, world, 1, world, 1, 1, 1, world, 1)
+    lay = Layout(world, 1, world, 1, world, 1, 1, 1, world, 1)
     w = Workload("bench", args, lay, 1, tokens, 1, "none", (), routing, num_sms)
     comm = layer_comm(backend, w, cluster, cal)
     d, c = comm.transfers[0], comm.transfers[1]

@@ -35,7 +35,7 @@ from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
 from torchtitan.protocols.train_spec import register_train_spec, TrainSpec
 
 from moe_comm import metrics
-from moe_comm.titan import flavors
+from moe_comm.layout import flavors
 from moe_comm.titan.model import MoECommDeepSeekV3Model
 from moe_comm.titan.parallelize import parallelize_deepseekv3_moe_comm
 
