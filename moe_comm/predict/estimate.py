@@ -67,6 +67,12 @@ class ParamCounts:
         return 6 * (self.active - self.embedding) + 6 * args.n_layers * args.n_heads * head_dims * seq_len
 
 
+def expert_params(a, experts):
+    """Parameters of `experts` experts of flavor `a`, each w1 and w3 (dim -> moe_inter_dim) and w2
+    (back): a layer's routed or shared experts, or a rank's share of them (a fraction is kept)."""
+    return 3 * experts * a.dim * a.moe_inter_dim
+
+
 def _attention_params(a) -> int:
     qk_head = a.qk_nope_head_dim + a.qk_rope_head_dim
     if a.q_lora_rank == 0:
@@ -86,8 +92,8 @@ def count_params(a) -> ParamCounts:
     output = a.dim * a.vocab_size + a.dim  # output projection + final norm
     block_common = _attention_params(a) + 2 * a.dim  # attention + attention_norm + ffn_norm
     dense_block = block_common + 3 * a.dim * a.inter_dim
-    routed = 3 * m.num_experts * a.dim * a.moe_inter_dim
-    shared = 3 * a.dim * a.moe_inter_dim * m.num_shared_experts
+    routed = expert_params(a, m.num_experts)
+    shared = expert_params(a, m.num_shared_experts)
     router = a.dim * m.num_experts + (m.num_experts if m.gate_bias else 0)
     moe_block = block_common + routed + shared + router
     n_moe = a.n_layers - a.n_dense_layers
@@ -208,7 +214,7 @@ def _block_unit(a, layout: Layout, layer: int) -> float:
     ep, the rest whole (FSDP all-gathers it), both over tp."""
     if layer < a.n_dense_layers:
         return _dense_block_params(a) / layout.tp
-    routed = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim
+    routed = expert_params(a, a.moe_args.num_experts)
     return (_moe_block_params(a) - routed + routed / max(layout.ep, 1)) / layout.tp
 
 
@@ -218,8 +224,8 @@ def _dense_block_params(a) -> int:
 
 def _moe_block_params(a) -> int:
     m = a.moe_args
-    routed = 3 * m.num_experts * a.dim * a.moe_inter_dim
-    shared = 3 * a.dim * a.moe_inter_dim * m.num_shared_experts
+    routed = expert_params(a, m.num_experts)
+    shared = expert_params(a, m.num_shared_experts)
     router = a.dim * m.num_experts + (m.num_experts if m.gate_bias else 0)
     return _attention_params(a) + 2 * a.dim + routed + shared + router
 
@@ -270,7 +276,7 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
             rank: PipelineRank | None) -> MemoryEstimate:
     p = count_params(a)
     shard = layout.dp_shard * layout.cp * layout.tp * layout.pp
-    routed_per_block = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim
+    routed_per_block = expert_params(a, a.moe_args.num_experts)
     # a block's share on this rank: the routed experts split over ep, the rest whole (FSDP
     # all-gathers it), both over tp
     if p.per_block_max > routed_per_block and a.n_layers > a.n_dense_layers:
@@ -306,7 +312,7 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
     if not sharded:  # no fully_shard: no unsharded copies to gather, no gradient reduce
         fsdp_working_set = grad_reduce = 0.0
         if amp:  # autocast's bf16 weight copies (the experts' only without AC: under AC they are recomputed)
-            routed = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim * sum(1 for i in layers if i >= a.n_dense_layers)
+            routed = expert_params(a, a.moe_args.num_experts) * sum(1 for i in layers if i >= a.n_dense_layers)
             weight_copies = 2 * (p.total - p.embedding - (routed if ac_mode != "none" else 0))
             layer_input = 4  # the residual stream is fp32
     per_token = [act_scale * (_act_bytes_per_token(a, i >= a.n_dense_layers)
@@ -375,7 +381,7 @@ def chunked_expert_bytes(a, layout: Layout) -> tuple[float, float]:
     and its gradient back (6 B). Measured on one H200 (results/h200x1/README.md, run 20, the
     one-GPU recipe's profiled step, chunked against none): +21 ms of fp32 adds, casts and copies
     over its 2 MoE layers of 32 experts; these bytes take 20 ms at the model's HBM rate."""
-    local = a.moe_args.num_experts / layout.ep * 3 * a.dim * a.moe_inter_dim
+    local = expert_params(a, a.moe_args.num_experts / layout.ep)
     if fsdp_applied(layout):
         return 0.0, local * 3 * 2
     if autocast(layout):

@@ -26,8 +26,8 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+from moe_comm import gpus
 from moe_comm import layout as run_layout
-from moe_comm.metrics.peaks import table_peaks
 from moe_comm.predict import estimate, schedule, scale_model
 from moe_comm.predict.calibration import Calibration
 
@@ -304,10 +304,8 @@ def kept_text(req: Request) -> str:
 
 
 def _gpu_memory_gib(gpu: str) -> float:
-    from moe_comm import gpus
-
     known = gpus.lookup(gpu)
-    if known is None or table_peaks(f"NVIDIA {gpu}") is None:
+    if known is None:
         raise PlanError(f"--gpu {gpu!r}: the plan knows {list(gpus.MODELS)}")
     return known.memory_gib
 

@@ -28,8 +28,8 @@ collectives overlap compute except the first all-gather and the last reduce-scat
 
 from dataclasses import dataclass
 
+from moe_comm import gpus
 from moe_comm.layout import flavor_args, Layout
-from moe_comm.metrics.peaks import table_peaks
 from moe_comm.predict import estimate, layer_compute, schedule
 from moe_comm.predict.assumptions import READ, REPO
 from moe_comm.predict.calibration import Calibration
@@ -51,12 +51,14 @@ class GPUSpec:
 
 
 def gpu_spec(name: str) -> GPUSpec:
-    peaks = table_peaks(f"NVIDIA {name}")
-    if peaks is None or f"hbm_tbs.{name}" not in READ:
+    """The facts of GPU model `name` (moe_comm.gpus) the model prices with."""
+    try:
+        gpu = gpus.model(name)
+    except KeyError:
+        gpu = None
+    if gpu is None or None in (gpu.bf16_tflops, gpu.fp8_tflops, gpu.hbm_tbs, gpu.sms, gpu.nvlink_gbps):
         raise ValueError(f"GPU {name!r} has no scale-model spec; use one of H100, H200, B200")
-    nvlink = READ["nvlink_gbps.B200" if name == "B200" else "nvlink_gbps.H200"].value
-    return GPUSpec(name, peaks["bf16"], peaks["fp8"], READ[f"hbm_tbs.{name}"].value,
-                   148 if name == "B200" else 132, nvlink)
+    return GPUSpec(name, gpu.bf16_tflops, gpu.fp8_tflops, gpu.hbm_tbs, gpu.sms, gpu.nvlink_gbps)
 
 
 @dataclass(frozen=True)
@@ -401,7 +403,7 @@ def _fsdp_ms(w: Workload, cluster: Cluster, cal: Calibration, v: int) -> tuple[f
     last backward, so one chunk's are (1/v of the rank's)."""
     a, lay = w.args, w.layout
     p = estimate.count_params(a)
-    routed = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim * (a.n_layers - a.n_dense_layers)
+    routed = estimate.expert_params(a, a.moe_args.num_experts) * (a.n_layers - a.n_dense_layers)
     dense = p.total - routed
     d = lay.dp_shard * lay.cp
     ag_passes = 1 if lay.pp > 1 else 2
