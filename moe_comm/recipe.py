@@ -36,7 +36,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from moe_comm import files, titan_fields
-from moe_comm.config import BACKENDS
+from moe_comm.config import MoEComm
 from moe_comm.errors import LaunchBlockers, RecipeError
 from moe_comm.layout import check_layout, flavor_args, Layout, resolve_layout, run_plan
 
@@ -157,8 +157,20 @@ def _hint(word: str, choices) -> str:
     return f"did you mean {close[0]!r}? " if close else ""
 
 
-def _check_keys(cls, data: dict, where: str) -> None:
+def _field_types(cls) -> dict:
+    """A config dataclass's field types as the checks here read them. [moe_comm] backend is a
+    string in moe_comm.config (so a backend registered at run time is one); its choices are the
+    registry's names (moe_comm.backends), checked here like any other choice."""
     hints = typing.get_type_hints(cls)
+    if cls is MoEComm:
+        from moe_comm import backends
+
+        hints["backend"] = typing.Literal[backends.names()]
+    return hints
+
+
+def _check_keys(cls, data: dict, where: str) -> None:
+    hints = _field_types(cls)
     valid = {f.name for f in fields(cls)}
     for key, value in data.items():
         name = f"[{where}] {key}" if where else f"[{key}]"
@@ -187,7 +199,7 @@ _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
 def _leaf_fields(cls, prefix: str = "") -> dict[str, object]:
     """'section.key' -> field type, for every leaf field of the merged JobConfig."""
     out = {}
-    hints = typing.get_type_hints(cls)
+    hints = _field_types(cls)
     for f in fields(cls):
         t = hints[f.name]
         if is_dataclass(t):
@@ -308,7 +320,7 @@ def no_effect_warnings(raw: dict, values: dict[str, object], plan) -> list[str]:
     """One warning per [moe_comm] option the recipe (or an override) sets that the chosen
     backend does not read for this run (its class's `ignored_options`), naming the backends
     that would."""
-    from moe_comm.backends import backend_class
+    from moe_comm.backends import backend_class, names
 
     o = plan.options
     ignored = backend_class(o.backend).ignored_options(plan)
@@ -316,7 +328,7 @@ def no_effect_warnings(raw: dict, values: dict[str, object], plan) -> list[str]:
     for option, why in ignored.items():
         if option not in raw.get("moe_comm", {}) and f"moe_comm.{option}" not in values:
             continue
-        readers = [b for b in BACKENDS if option not in backend_class(b).ignored_options(plan)]
+        readers = [b for b in names() if option not in backend_class(b).ignored_options(plan)]
         who = f"; {' and '.join(readers)} read{'s' if len(readers) == 1 else ''} it" if readers else ""
         warnings.append(f"[moe_comm] {option} = {getattr(o, option)!r} has no effect here: {why}{who}")
     return warnings
@@ -436,8 +448,10 @@ def load(
             f"{model_name!r} train spec (and the CPU adaptations)"
         )
     config = _job_config(path, raw, values)
-    if config.moe_comm.backend not in BACKENDS:
-        raise RecipeError(f"[moe_comm] backend = {config.moe_comm.backend!r}: choose one of {list(BACKENDS)}")
+    from moe_comm.backends import backend_class, names
+
+    if config.moe_comm.backend not in names():
+        raise RecipeError(f"[moe_comm] backend = {config.moe_comm.backend!r}: choose one of {list(names())}")
     _check_cluster(config.cluster)
 
     from moe_comm import gpus
@@ -471,8 +485,6 @@ def load(
         launch_env, source = None, ""
     plan = run_plan(config, layout, args, device, gpu=gpu, gpu_sms=gpu_sms, launch_env=launch_env,
                     launch_env_source=source, python_env="" if here else job_python(config.cluster))
-    from moe_comm.backends import backend_class
-
     notes = backend_class(config.moe_comm.backend).check_run(plan)
     _check_dataset_name(config)
     blockers, warnings = [], no_effect_warnings(raw, values, plan)

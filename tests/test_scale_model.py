@@ -68,7 +68,7 @@ def test_hierarchical_transfer_by_hand(two_by_two):
 
 def test_fp8_dispatch_halves_the_forward_dispatch_bytes_only(two_by_two):
     w, cluster = two_by_two
-    comm = scale_model.layer_comm("nvshmem-fp8", w, cluster, hand_calibration())
+    comm = scale_model.layer_comm("nvshmem", w, cluster, hand_calibration(), dispatch_dtype="fp8")
     assert comm.transfers[0].row_bytes == 1024 + 1024 / 128 * 4 + META
     assert {t.row_bytes for t in comm.transfers[1:]} == {1024 * 2 + META}
 

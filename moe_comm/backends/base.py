@@ -12,6 +12,7 @@ avoid host syncs, the exact count for the NCCL path).
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -89,6 +90,29 @@ def run_plan_for_group(layer: MoELayerSpec, ep_group: dist.ProcessGroup, config:
     )
 
 
+@dataclass(frozen=True)
+class CostTraits:
+    """What the scale model (moe_comm.predict.scale_model) needs to price a backend's dispatch
+    and combine. Each value names the measurement it is priced from (moe_comm.predict.calibration
+    fits them; results/scale_model.md lists them)."""
+
+    hierarchical: bool
+    """Dispatch sends a token over the network once per node and over NVLink once per rank that
+    holds one of its experts, and combine reduces on the way back. False: one row per (token,
+    expert) pick, as an all-to-all sends them."""
+    transport: str
+    """What moves the rows, at its measured cost: "NCCL" (the host-driven all-to-all, at NCCL's
+    measured rates), or kernels on the backend's num_sms SMs: "our kernels" (this project's,
+    from the comm bench) or "DeepEP kernels" (DeepEP v1.2.1's own figure)."""
+    host_syncs_per_dispatch: int
+    """Host round trips a forward dispatch waits for (split sizes, received counts), each at the
+    all-to-all path's measured cost per call."""
+    layout: str
+    """Whose permute to and from the experts' expert-major rows it runs, at its measured cost:
+    "TorchTitan" (_permute / _unpermute), "TorchTitan DeepEP" (its DeepEP path's permute) or
+    "our kernels" (expand / reduce)."""
+
+
 @dataclass
 class DispatchResult:
     """What dispatch hands to the grouped experts, and what combine needs to undo it."""
@@ -109,17 +133,62 @@ class CommBackend(ABC):
     backend is a drop-in for TorchTitan's all-to-all in training.
     """
 
+    # What a backend is, asked of its class everywhere else (nothing outside backends/ compares
+    # a backend's name): its abilities here and in `check_run`, the options that identify its
+    # runs, its label, its colour, how it sends, what selective AC keeps, what the scale model
+    # prices.
     name: ClassVar[str]
     cuda_only: ClassVar[bool] = False
-    fp8_dispatch: ClassVar[bool] = False  # takes [moe_comm] dispatch_dtype = "fp8"
+    # [moe_comm] dispatch_dtype values it takes (what dispatch puts on the links).
+    dispatch_dtypes: ClassVar[tuple[str, ...]] = ("bf16",)
     # [moe_comm] overlap values it runs (moe_comm.titan.overlap): "chunked" needs calls that
     # run on a side stream and two dispatches in flight before their combines.
     overlap: ClassVar[tuple[str, ...]] = ("none",)
+    # Dispatch sends a token once to each rank that holds one of its experts (and combine
+    # reduces there before sending back); False: once per (token, expert) pick, as TorchTitan's
+    # all-to-all does. Decides how the metrics count the bytes that leave a rank.
+    sends_once_per_rank: ClassVar[bool] = False
+    # The [moe_comm] options that change what it does, so they identify its runs (run names,
+    # W&B, identity.json: moe_comm.metrics.naming); the first, num_sms where it has it, is also
+    # in its label in reports.
+    IDENTITY_OPTIONS: ClassVar[tuple[str, ...]] = ()
+    # It holds NVSHMEM symmetric buffers, sized from the recipe (moe_comm.kernels.capacity),
+    # outside torch's allocator: `check` prints them and the planner adds them to the memory.
+    symmetric_heap: ClassVar[bool] = False
+    # The backend the others are compared with (report's "vs" column, the scale model's ratio).
+    baseline: ClassVar[bool] = False
+    # Its colour in every plot (moe_comm.plots); "" picks one from its name.
+    color: ClassVar[str] = ""
+    # What the scale model prices it with; None: not priced (absent from the model's tables).
+    costs: ClassVar[CostTraits | None] = None
     # The [moe_comm] fields that configure a backend (`backend` picks one, `peak_tflops` is MFU's).
     OPTIONS: ClassVar[tuple[str, ...]] = (
         "num_sms", "max_tokens_per_rank", "recv_capacity_factor", "dispatch_dtype", "virtual_node_size",
         "network_sms", "wait_timeout_s",
     )
+
+    @classmethod
+    def label(cls, dispatch_dtype: str = "bf16") -> str:
+        """How tables name it with a dispatch dtype: the name, with the dtype unless bf16."""
+        return cls.name if dispatch_dtype == "bf16" else f"{cls.name}-{dispatch_dtype}"
+
+    @classmethod
+    def run_label(cls, options: Mapping[str, Any]) -> str:
+        """How a report names one of its runs from the run's [moe_comm] options: the name, with
+        the SM budget where it has one ("nvshmem-sm20")."""
+        sms = options.get("num_sms")
+        return f"{cls.name}-sm{sms}" if "num_sms" in cls.IDENTITY_OPTIONS and sms is not None else cls.name
+
+    @classmethod
+    def identity_options(cls, options: MoEComm) -> dict[str, Any]:
+        """The values of its IDENTITY_OPTIONS in `options`, in that order."""
+        return {option: getattr(options, option) for option in cls.IDENTITY_OPTIONS}
+
+    @classmethod
+    def sac_save_ops(cls) -> list:
+        """Its communication ops (torch.ops) that selective activation checkpointing must keep
+        rather than re-run in the backward; asked after the model's backends are built."""
+        return []
 
     @classmethod
     def ignored_options(cls, run: RunPlan) -> dict[str, str]:
@@ -187,7 +256,7 @@ class CommBackend(ABC):
                 "= true) both hide the MoE communication, and their sync points conflict: set "
                 'overlap = "none" or pipeline_parallel_expert_parallel_overlap = false'
             )
-        if o.dispatch_dtype != "bf16" and not cls.fp8_dispatch:
+        if o.dispatch_dtype not in cls.dispatch_dtypes:
             raise RecipeError(
                 f'[moe_comm] dispatch_dtype = "{o.dispatch_dtype}" is the nvshmem backend\'s; backend '
                 f'= "{cls.name}" sends the model\'s rows as they are: set dispatch_dtype = "bf16"'

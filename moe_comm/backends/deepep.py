@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_comm import gpus
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, rows_in_compute_dtype
+from moe_comm.backends.base import CommBackend, CostTraits, DispatchResult, MoELayerSpec, rows_in_compute_dtype
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 from moe_comm.layout import RunPlan
@@ -74,6 +74,13 @@ class DeepEPBackend(CommBackend):
     name = "deepep"
     cuda_only = True
     overlap = ("none", "chunked")
+    sends_once_per_rank = True
+    IDENTITY_OPTIONS = ("num_sms",)
+    color = "#2ca02c"
+    # TorchTitan's DeepEP path waits on the host for the received counts (NOTES §7), priced as
+    # the standard path's host round trip per call
+    costs = CostTraits(hierarchical=True, transport="DeepEP kernels", host_syncs_per_dispatch=1,
+                       layout="TorchTitan DeepEP")
 
     @classmethod
     def check_run(cls, run: RunPlan) -> list[str]:
@@ -113,6 +120,12 @@ class DeepEPBackend(CommBackend):
         else:
             notes += _check_deep_ep_importable()
         return notes
+
+    @classmethod
+    def sac_save_ops(cls) -> list:
+        # torch.ops.deepep is registered by TorchTitan's DeepEP path, which every DeepEPBackend
+        # imports when built
+        return [torch.ops.deepep.dispatch.default, torch.ops.deepep.combine.default]
 
     @classmethod
     def ignored_options(cls, run: RunPlan) -> dict[str, str]:

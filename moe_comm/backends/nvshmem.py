@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, rows_in_compute_dtype, tokens_per_call
+from moe_comm.backends.base import (
+    CommBackend, CostTraits, DispatchResult, MoELayerSpec, rows_in_compute_dtype, tokens_per_call,
+)
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 from moe_comm.kernels import capacity
@@ -45,8 +47,13 @@ def token_group_alignment() -> int:
 class NvshmemBackend(CommBackend):
     name = "nvshmem"
     cuda_only = True
-    fp8_dispatch = True
+    dispatch_dtypes = ("bf16", "fp8")
     overlap = ("none", "chunked")
+    sends_once_per_rank = True
+    IDENTITY_OPTIONS = ("num_sms", "dispatch_dtype", "virtual_node_size", "network_sms")
+    symmetric_heap = True
+    color = "#d62728"
+    costs = CostTraits(hierarchical=True, transport="our kernels", host_syncs_per_dispatch=0, layout="our kernels")
     # What the kernels run (csrc/common/limits.h, read by moe_comm.kernels.limits).
     max_ranks = LIMITS.max_ranks  # ranks in one EP group
     max_ranks_per_node = LIMITS.max_ranks_per_node  # EP ranks per (virtual) node
@@ -54,6 +61,14 @@ class NvshmemBackend(CommBackend):
     max_top_k = LIMITS.max_top_k
     max_experts = LIMITS.max_experts
     fp8_block = 128  # channels per fp32 scale of an FP8 row
+
+    @classmethod
+    def sac_save_ops(cls) -> list:
+        # torch.ops.moe_comm exists once an NvshmemBackend was built: it loads the CUDA library
+        # that registers the ops.
+        if not hasattr(torch.ops.moe_comm, "dispatch"):
+            return []
+        return [torch.ops.moe_comm.dispatch.default, torch.ops.moe_comm.combine.default]
 
     @classmethod
     def ignored_options(cls, run: RunPlan) -> dict[str, str]:

@@ -37,8 +37,9 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import Color, NoColor
 
 from moe_comm import console
+from moe_comm.backends import backend_class
 from moe_comm.metrics import keys, naming
-from moe_comm.metrics.instrumented import instrumented_backends, SENDS_ONCE_PER_RANK, summarize
+from moe_comm.metrics.instrumented import instrumented_backends, summarize
 from moe_comm.metrics.peaks import resolve_peak
 from moe_comm.metrics.pipeline import PipelineStages
 from moe_comm.metrics.step_line import format_duration, StepLine
@@ -125,7 +126,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
             keys.WORLD_SIZE: parallel_dims.world_size,
             keys.LOCAL_BATCH: job_config.training.local_batch_size,
             keys.SEQ_LEN: job_config.training.seq_len,
-            keys.SENDS_PER: "rank" if self.moe_comm.backend in SENDS_ONCE_PER_RANK else "expert",
+            keys.SENDS_PER: "rank" if backend_class(self.moe_comm.backend).sends_once_per_rank else "expert",
         }
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.metrics_rank = _get_metrics_rank(parallel_dims, job_config)
@@ -203,7 +204,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
             if degree > 1
         ) or "one rank"
         backend = self.moe_comm.backend
-        if backend != "nccl":
+        if "num_sms" in backend_class(backend).IDENTITY_OPTIONS:  # it has an SM budget
             backend += f" ({self.moe_comm.num_sms} SMs)"
         device = self.device_memory_monitor.device_name
         run = (

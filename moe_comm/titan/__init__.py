@@ -13,7 +13,7 @@ group, so importing it:
        and parallelize_fn (EP through the [moe_comm] backend), and moe_comm.metrics' processor;
      - "deepseek_v3_titan": TorchTitan's own deepseek_v3 path, untouched except that on CPU FSDP
        reduces with SUM (gloo has no PREMUL_SUM), with moe_comm.metrics' processor (it only
-       observes: its JSONL holds the exact losses). The bitwise "nccl" test compares against it.
+       observes: its JSONL holds the exact losses). The bitwise test of the nccl backend compares against it.
 """
 
 import dataclasses

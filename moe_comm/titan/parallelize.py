@@ -34,20 +34,10 @@ from moe_comm.titan.model import TokenLevelMoE
 
 
 def sac_save_list(backend: str) -> set:
-    """TorchTitan's selective-AC save list plus the chosen backend's comm ops, so selective AC
-    never re-runs dispatch/combine in the backward (the nccl backend's all-to-all is on it)."""
-    save_list = set(titan_dsv3._op_sac_save_list)
-    # torch.ops.moe_comm exists once an NvshmemBackend was built (apply_backend_ep, before this):
-    # it loads the CUDA library that registers the ops.
-    if backend == "nvshmem" and hasattr(torch.ops.moe_comm, "dispatch"):
-        save_list.add(torch.ops.moe_comm.dispatch.default)
-        save_list.add(torch.ops.moe_comm.combine.default)
-    elif backend == "deepep":
-        import moe_comm.backends.deepep  # noqa: F401  registers torch.ops.deepep
-
-        save_list.add(torch.ops.deepep.dispatch.default)
-        save_list.add(torch.ops.deepep.combine.default)
-    return save_list
+    """TorchTitan's selective-AC save list plus the chosen backend's comm ops (its class's
+    `sac_save_ops`, asked after apply_backend_ep built the backends), so selective AC never
+    re-runs dispatch/combine in the backward (the nccl backend's all-to-all is on TorchTitan's)."""
+    return set(titan_dsv3._op_sac_save_list) | set(backend_class(backend).sac_save_ops())
 
 
 def run_layout(parallel_dims: ParallelDims) -> Layout:
