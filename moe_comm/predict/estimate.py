@@ -38,11 +38,9 @@ Memory (per GPU, bytes) is written down term by term so it can be argued with:
     backward; the embedding is not cast, and under AC the experts' casts are recomputed), and the
     residual stream stays fp32 (`_autocast_extra_bytes_per_token`). With TP or PP but no
     fully_shard TorchTitan turns mixed precision off: activations in fp32.
-Checked against the 2xH200 runs in results/h200x2 (results/scale_model.md, memory rows): the
-peak in use within 3% for the bf16 runs (16B at 1 x 4096 full AC: 119.5 GiB in use, 127.5
-reserved; the 671B-shaped layers at 4 x 4096 without AC: 102.9 in use, 137.4 reserved), and the
-one-GPU recipe's runs in results/h200x1 (world 1, autocast; AC none/selective/full, local batch
-1 and 2: 86.0-103.3 GiB in use) within 6%.
+Checked against every measured memory figure, the 2xH200 runs (results/h200x2) and the one-GPU
+recipe's (results/h200x1: world 1, autocast, each AC mode): results/scale_model.md's memory rows
+give the estimate's error on each.
 """
 
 from dataclasses import dataclass
@@ -378,9 +376,9 @@ def chunked_expert_bytes(a, layout: Layout) -> tuple[float, float]:
     so autograd adds the second chunk's weight gradient to the first's: read two, write one, in
     the gradient's dtype - bf16 under fully_shard's mixed precision, fp32 otherwise. Under
     autocast (one GPU) each call also casts the fp32 weights to bf16 again (read 4 + write 2 B)
-    and its gradient back (6 B). Measured on one H200 (results/h200x1/README.md, run 20, the
-    one-GPU recipe's profiled step, chunked against none): +21 ms of fp32 adds, casts and copies
-    over its 2 MoE layers of 32 experts; these bytes take 20 ms at the model's HBM rate."""
+    and its gradient back (6 B). Measured on one H200 (results/h200x1/README.md, run 20: the
+    one-GPU recipe's profiled step, chunked against none), which records what these adds, casts
+    and copies took and what these bytes take at the model's HBM rate."""
     local = expert_params(a, a.moe_args.num_experts / layout.ep)
     if fsdp_applied(layout):
         return 0.0, local * 3 * 2

@@ -24,9 +24,9 @@ tokens they handle per SM of their budget, then the slower of their NVLink and n
 (the two are pipelined in chunks); NCCL's all-to-all pays the slower of its NVLink and network
 bytes at NCCL's rates; then each pays its host round trips per forward dispatch and its permute
 or layout kernels per expert row. Which backends the model refuses for a workload is what their
-`check_run` refuses before launch. TorchTitan 0.2.2 runs
-dispatch and combine on the compute stream, so MoE communication is exposed; FSDP's
-collectives overlap compute except the first all-gather and the last reduce-scatter.
+`check_run` refuses before launch. TorchTitan 0.2.2 runs dispatch and combine on the compute
+stream, so MoE communication is exposed; FSDP's collectives overlap compute except the first
+all-gather and the last reduce-scatter.
 """
 
 from dataclasses import dataclass
