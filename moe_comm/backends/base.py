@@ -149,8 +149,8 @@ class CommBackend(ABC):
     # all-to-all does. Decides how the metrics count the bytes that leave a rank.
     sends_once_per_rank: ClassVar[bool] = False
     # The [moe_comm] options that change what it does, so they identify its runs (run names,
-    # W&B, identity.json: moe_comm.metrics.naming); the first, num_sms where it has it, is also
-    # in its label in reports.
+    # W&B, identity.json: moe_comm.metrics.naming). num_sms, where it is one (the backend has an
+    # SM budget), is also in its label in reports (`run_label`) and in the console header.
     IDENTITY_OPTIONS: ClassVar[tuple[str, ...]] = ()
     # It holds NVSHMEM symmetric buffers, sized from the recipe (moe_comm.kernels.capacity),
     # outside torch's allocator: `check` prints them and the planner adds them to the memory.
