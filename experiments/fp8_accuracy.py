@@ -1,7 +1,7 @@
 """FP8 dispatch accuracy: what e4m3 rows with one fp32 scale per 128 channels do to the
 values the experts see, on the row distributions a DeepSeek-V3 MoE layer dispatches.
 
-The kernels' quantiser is pinned bit for bit to tests/gpu/oracles.py's fp8_round_trip by the GPU
+The kernels' quantiser is pinned bit for bit to moe_comm.kernels.fp8_format.round_trip by the GPU
 cases (layout_fp8_*: the received rows equal it exactly), so its error can be measured here in
 pure torch, on CPU. Figures per distribution: the relative error per element (|q - x| / |x|,
 over elements with |x| above 1e-3 of the group's amax), the relative error of each row
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
-from oracles import fp8_round_trip  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_comm.kernels.fp8_format import round_trip  # noqa: E402
 
 HIDDEN, TOKENS = 7168, 4096
 
@@ -62,7 +62,7 @@ def main(out: Path) -> None:
               "command": "python experiments/fp8_accuracy.py " + str(out), "distributions": {}}
     for kind in ("normal", "normal_with_outlier_channels", "rmsnormed"):
         x = rows(kind, g)
-        result["distributions"][kind] = errors(x, fp8_round_trip(x))
+        result["distributions"][kind] = errors(x, round_trip(x))
     x32 = torch.randn(TOKENS, HIDDEN, generator=g)
     result["bf16_of_fp32_reference"] = errors(x32, x32.to(torch.bfloat16).float())
     out.write_text(json.dumps(result, indent=1))

@@ -15,7 +15,7 @@ CPU smoke path (debug_cpu, nccl, both runs bf16: the same seed must give the sam
         --dtypes bf16 bf16 --dataset-path ./assets/tiny/c4_tiny --tokenizer ./assets/tiny \\
         --steps 8 --last 4 --out /tmp/fp8_smoke --no-wandb   # 2 x ~70 s on 2 cores
 
-Each run is one `python -m moe_comm train` through experiments/mfu_sweep.py's runner (its own
+Each run is one `python -m moe_comm train` through experiments/runner.py (its own
 dump folder with train.log and metrics.jsonl, the lent machines' NVLink-multicast-off
 environment, failures recorded with their log tail, OUT/NAME.json rewritten after every run,
 `--budget-s` and `--resume` for a 10-minute command limit). Every run gets `--debug.seed SEED`
@@ -46,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments import mfu_sweep  # noqa: E402
+from experiments import runner  # noqa: E402
 from moe_comm import plots, report  # noqa: E402
 from moe_comm.backends.base import OVERLAP_CHUNKS  # noqa: E402
 from moe_comm.metrics import keys  # noqa: E402
@@ -67,7 +67,7 @@ class SetupError(Exception):
 
 # ---- plan -------------------------------------------------------------------------------------
 
-def plan(args: argparse.Namespace) -> list[mfu_sweep.RunSpec]:
+def plan(args: argparse.Namespace) -> list[runner.RunSpec]:
     """One run per --runs entry (BACKEND:DTYPE[:OVERLAP]; default --backend with each --dtypes
     entry); an entry given again is a repeat, tagged so its folder differs. OVERLAP sets
     `[moe_comm] overlap` for that run alone, so one invocation compares the chunked overlap's
@@ -82,7 +82,7 @@ def plan(args: argparse.Namespace) -> list[mfu_sweep.RunSpec]:
                              f"nccl:bf16 or nvshmem:bf16:chunked (OVERLAP one of {', '.join(OVERLAP_CHUNKS)})")
         seen[entry] = seen.get(entry, 0) + 1
         tags = ([f"overlap{overlap}"] if overlap else []) + ([f"repeat{seen[entry]}"] if seen[entry] > 1 else [])
-        specs.append(mfu_sweep.RunSpec(args.recipe, backend, args.batch, args.seq, dispatch_dtype=dtype,
+        specs.append(runner.RunSpec(args.recipe, backend, args.batch, args.seq, dispatch_dtype=dtype,
                                        overrides=["--moe_comm.overlap", overlap] if overlap else [],
                                        tag="-".join(tags)))
     return specs
@@ -184,7 +184,7 @@ def compare(ref: dict[str, list], other: dict[str, list], last: int, target_pct:
     return out
 
 
-def comparison(results: list[mfu_sweep.RunResult], out: Path, last: int, target_pct: float,
+def comparison(results: list[runner.RunResult], out: Path, last: int, target_pct: float,
                data: dict[str, Any]) -> dict[str, Any]:
     ok = [r for r in results if r.status == "ok"]
     runs = {r.spec.name: report.load_run(out / r.dump_folder / keys.JSONL_NAME) for r in ok}
@@ -219,7 +219,7 @@ def _label(spec: dict) -> str:
     return f"{spec['backend']} {spec.get('dispatch_dtype') or 'recipe dtype'}" + (f" ({spec['tag']})" if spec.get("tag") else "")
 
 
-def plot(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Path, path: Path,
+def plot(payload: dict[str, Any], results: list[runner.RunResult], out: Path, path: Path,
          kernels: str | None = None) -> Path | None:
     """Loss, grad norm and loss minus the reference's, per step, side by side."""
     ok = [r for r in results if r.status == "ok"]
@@ -286,7 +286,7 @@ VARIED_FIELD_NAMES = {"backend": "`[moe_comm] backend`", "dispatch": "`[moe_comm
                       "overlap": "`[moe_comm] overlap`"}
 
 
-def run_field(spec: mfu_sweep.RunSpec, field_name: str) -> str:
+def run_field(spec: runner.RunSpec, field_name: str) -> str:
     """What a run set for one of VARIED_FIELD_NAMES ("recipe's" where it left the recipe's own)."""
     if field_name == "backend":
         return spec.backend
@@ -296,12 +296,12 @@ def run_field(spec: mfu_sweep.RunSpec, field_name: str) -> str:
     return o[o.index("--moe_comm.overlap") + 1] if "--moe_comm.overlap" in o else "recipe's"
 
 
-def varied_fields(results: list[mfu_sweep.RunResult]) -> list[str]:
+def varied_fields(results: list[runner.RunResult]) -> list[str]:
     """The fields the runs differ in, in VARIED_FIELD_NAMES's order."""
     return [f for f in VARIED_FIELD_NAMES if len({run_field(r.spec, f) for r in results}) > 1]
 
 
-def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Path, commands: list[str],
+def section(payload: dict[str, Any], results: list[runner.RunResult], out: Path, commands: list[str],
             plot_path: str | None, kernels: str | None = None) -> str:
     """The results section, in the words of results/fp8_dispatch_accuracy.md."""
     d, last, target = payload["data"], payload["last_steps"], payload["target_pct"]
@@ -375,7 +375,7 @@ def splice(md_path: Path, text: str) -> None:
     md_path.write_text(new)
 
 
-def write_outputs(args: argparse.Namespace, results: list[mfu_sweep.RunResult], commands: list[str],
+def write_outputs(args: argparse.Namespace, results: list[runner.RunResult], commands: list[str],
                   data: dict[str, Any]) -> dict[str, Any]:
     folder = args.out / args.name
     folder.mkdir(parents=True, exist_ok=True)
@@ -401,7 +401,7 @@ def write_outputs(args: argparse.Namespace, results: list[mfu_sweep.RunResult], 
 # ---- main -------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    argv, overrides = mfu_sweep.split_overrides(argv)
+    argv, overrides = runner.split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", help="the recipe both runs train (e.g. recipes/deepseek_v3_671b_h200x1.toml)")
     p.add_argument("--backend", default="nvshmem", help="[moe_comm] backend of every run")
@@ -440,7 +440,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         print(f"[{NAME}] wandb is not importable: runs log JSONL only (--metrics.no-enable-wandb)")
         args.wandb = False
     args.out = args.out if args.out.is_absolute() else Path.cwd() / args.out
-    args.warmup_steps = report.DEFAULT_WARMUP_STEPS  # what mfu_sweep's per-run summary leaves out
+    args.warmup_steps = report.DEFAULT_WARMUP_STEPS  # what the runner's per-run summary leaves out
     args.user_overrides = overrides
     args.overrides = data_overrides(args) + overrides
     return args
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         saved = json.loads(results_path.read_text())
         args.resume, args.retry_failed = True, False
-        results, commands = mfu_sweep.load_previous(args)
+        results, commands = runner.load_previous(args)
         data = saved.get("data") or {}
     else:
         try:
@@ -468,14 +468,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.dry_run:
             for spec in specs:
-                print(shlex.join(mfu_sweep.train_command(args, spec, args.out / "runs" / args.name / spec.name)))
+                print(shlex.join(runner.train_command(args, spec, args.out / "runs" / args.name / spec.name)))
             return 0
         if data.get("passes", 0) > 1:
             print(f"[{NAME}] the runs read {data['tokens_read']:,} tokens of {data['tokens_staged']:,} staged: "
                   f"the data repeats ({data['passes']:.2f} passes)")
         args.out.mkdir(parents=True, exist_ok=True)
-        results, commands = mfu_sweep.load_previous(args) if args.resume else ([], [])
-        mfu_sweep.run_all(args, specs, results, commands, command)
+        results, commands = runner.load_previous(args) if args.resume else ([], [])
+        runner.run_all(args, specs, results, commands, command)
         saved = json.loads(results_path.read_text())
         saved["data"] = data
         results_path.write_text(json.dumps(saved, indent=2) + "\n")

@@ -86,8 +86,7 @@ def predict(out: Path) -> dict:
             overrides = shape + ["--moe_comm.backend", entry.split(":")[0]]
             r = recipe.load(RECIPE, shape, device="cuda", check_paths=False)
             w = scale_model.workload_from_recipe(r)
-            backend = "nvshmem-fp8" if ":fp8" in entry else entry.split(":")[0]  # the model's name for it
-            p = scale_model.predict(backend, w, cluster, cal)
+            p = scale_model.predict(entry.split(":")[0], w, cluster, cal, "fp8" if ":fp8" in entry else "bf16")
             rows.append({"group": g.name, "run": entry, "overrides": overrides,
                          "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "step_ms": p.step_ms, "mfu": p.mfu,
                          "bubble_ms": p.terms_ms["pp bubble"], "moe_comm_ms": p.moe_comm_ms,

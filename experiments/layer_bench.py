@@ -156,7 +156,7 @@ def flavor_args(case: Case):
     from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs, deepseekv3_args
     from torchtitan.models.moe import MoEArgs
 
-    from moe_comm.titan import flavors
+    from moe_comm.layout import flavors
 
     flavors.register()
     if case.flavor == "tiny":

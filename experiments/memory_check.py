@@ -7,7 +7,7 @@ checkpointing modes and local batch sizes, their peak memory against the estimat
 
 Each configuration is AC_MODE:LOCAL_BATCH (default none:1 none:2 selective:2 full:2; "selective"
 is TorchTitan's op-level SAC, --activation_checkpoint.selective_ac_option op, the mode the
-estimate models). Every run goes through `python -m moe_comm train` by experiments/mfu_sweep.py's
+estimate models). Every run goes through `python -m moe_comm train` by experiments/runner.py's
 run_one (the lent machines' environment, its own dump folder with train.log and metrics.jsonl,
 a failure recorded with its log tail while the others go on). Measured: the maximum over the
 run's steps of TorchTitan's per-step peaks, memory/max_active(GiB) (the caching allocator's
@@ -35,8 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments import mfu_sweep  # noqa: E402
+from experiments import runner  # noqa: E402
 from moe_comm import recipe  # noqa: E402
+from moe_comm.layout import flavor_args  # noqa: E402
 from moe_comm.predict import estimate  # noqa: E402
 from moe_comm.metrics import keys  # noqa: E402
 
@@ -67,7 +68,7 @@ def estimated(recipe_path: str, mode: str, batch: int, gpu: str) -> dict:
                     device="cuda", gpu=gpu, check_paths=False)
     c = r.config
     p = c.parallelism
-    mem = estimate.memory_per_gpu(recipe.flavor_args(c), r.layout, c.training.local_batch_size, c.training.seq_len,
+    mem = estimate.memory_per_gpu(flavor_args(c), r.layout, c.training.local_batch_size, c.training.seq_len,
                                   c.activation_checkpoint.mode, microbatch=p.pipeline_parallel_microbatch_size,
                                   pp_schedule=p.pipeline_parallel_schedule,
                                   layers_per_stage=p.pipeline_parallel_layers_per_stage)
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{e['reserved_gib']:6.1f} reserved")
         return 0
 
-    # what mfu_sweep.run_one reads from its own arguments
+    # what runner.run_one reads from its own arguments
     sweep = argparse.Namespace(out=args.out, name=args.name, launcher=args.launcher, steps=args.steps, wandb=False,
                                timeout=args.timeout, warmup_steps=1, overrides=[])
     doc = {"command": shlex.join(["python", "experiments/memory_check.py", *argv]),
@@ -160,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         if walls and elapsed + max(walls) > args.budget_s:
             row.update(status="not run", error=f"time budget: {elapsed:.0f} s spent, a run takes ~{max(walls):.0f} s")
         else:
-            spec = mfu_sweep.RunSpec(args.recipe, args.backend, local_batch_size=batch,
+            spec = runner.RunSpec(args.recipe, args.backend, local_batch_size=batch,
                                      overrides=config_overrides(mode), tag=f"ac{mode}")
-            result = mfu_sweep.run_one(sweep, spec)
+            result = runner.run_one(sweep, spec)
             walls.append(result.wall_s)
             row["run"] = {"name": spec.name, "command": result.command, "dump_folder": result.dump_folder,
                           "wall_s": result.wall_s}

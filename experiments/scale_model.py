@@ -219,7 +219,8 @@ def flagship_section(cal, lines, data):
         preds = scale_model.predict_all(w, cluster, cal)
         mem = estimate.memory_per_gpu(w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch,
                                       w.pp_schedule, w.layers_per_stage)
-        best = max((b for b in preds if scale_model.runnable(b, w)), key=lambda b: preds[b].tokens_per_s_per_gpu)
+        best = max((c.label for c in scale_model.choices() if scale_model.runnable(c.backend, w, c.dispatch_dtype)),
+                   key=lambda b: preds[b].tokens_per_s_per_gpu)
         lay = w.layout
         layout = f"PP {lay.pp}, FSDP {lay.dp_shard}, LB {w.local_batch}"
         data["flagship"][ep] = {}
@@ -244,19 +245,19 @@ def flagship_section(cal, lines, data):
     lines += ["### Where a flagship step goes (EP 32, per rank)", "",
               "| backend | " + " | ".join(scale_model.predict("nccl", w, cluster, cal).terms_ms) + " | step |",
               "| --- |" + " --- |" * (len(scale_model.predict("nccl", w, cluster, cal).terms_ms) + 1)]
-    for b in scale_model.BACKENDS:
-        p = scale_model.predict(b, w, cluster, cal)
-        lines.append(f"| {LABEL[b]} | " + " | ".join(f"{v / 1e3:.2f}" for v in p.terms_ms.values())
+    for c in scale_model.choices():
+        p = scale_model.predict(c.backend, w, cluster, cal, c.dispatch_dtype)
+        lines.append(f"| {LABEL[c.label]} | " + " | ".join(f"{v / 1e3:.2f}" for v in p.terms_ms.values())
                      + f" | {p.step_ms / 1e3:.2f} s |")
     lines += ["", "One MoE layer, one microbatch (4096 tokens per rank), slowest rank, EP 32; times in us (a "
               "transfer costs host + fixed + the slower of NVLink and network + layout):", "",
               "| backend | transfer | network rows | NVLink rows | network MB | NVLink MB | host | fixed | NVLink | "
               "network | layout | total |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for b in scale_model.BACKENDS:
-        p = scale_model.predict(b, w, cluster, cal)
+    for c in scale_model.choices():
+        p = scale_model.predict(c.backend, w, cluster, cal, c.dispatch_dtype)
         for t in p.comm.transfers:
-            lines.append(f"| {LABEL[b]} | {t.name} | {fmt(t.network_rows)} | {fmt(t.nvlink_rows)} | "
+            lines.append(f"| {LABEL[c.label]} | {t.name} | {fmt(t.network_rows)} | {fmt(t.nvlink_rows)} | "
                          f"{t.network_bytes / 1e6:,.1f} | {t.nvlink_bytes / 1e6:,.1f} | {t.host_us:.0f} | "
                          f"{t.fixed_us:.0f} | {t.nvlink_us:.0f} | {t.network_us:.0f} | {t.layout_us:.0f} | "
                          f"{t.time_us:.0f} |")
@@ -311,7 +312,7 @@ def anchor_section(cal, rows, lines, data):
         name = r.id.rsplit("/", 1)[1]
         f = figs[r.id]
         w, cluster = scale_model.workload_from_spec(f["predict"], cal)
-        p = scale_model.predict(f["predict"]["backend"], w, cluster, cal)
+        p = scale_model.predict(f["predict"]["backend"], w, cluster, cal, f["predict"].get("dispatch_dtype", "bf16"))
         preds[name] = (p, w, cluster, r)
         t = p.terms_ms
         tokens = w.local_batch * w.seq_len / (w.layout.tp * w.layout.pp)
@@ -520,7 +521,7 @@ def plot(data, rows, path):
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     eps = sorted(data["flagship"])
-    for b in scale_model.BACKENDS:
+    for b in (c.label for c in scale_model.choices()):
         ax1.plot(range(len(eps)), [data["flagship"][ep][b]["tokens_per_s_per_gpu"] for ep in eps], marker="o", label=LABEL[b])
     ax1.set_xticks(range(len(eps)), [f"EP {ep}" for ep in eps])
     ax1.set_ylabel("predicted tok/s per GPU")

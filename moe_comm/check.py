@@ -11,6 +11,8 @@ is 1 while any remains. `train` and `submit` refuse the same blockers."""
 import argparse
 
 from moe_comm import gpus, recipe
+from moe_comm.backends import backend_class, baseline
+from moe_comm.layout import flavor_args
 from moe_comm.predict import estimate
 
 
@@ -50,7 +52,7 @@ def _verdict(total_gib: float, r: recipe.Recipe) -> str:
 
 def report(r: recipe.Recipe) -> str:
     c, lay = r.config, r.layout
-    args = recipe.flavor_args(c)
+    args = flavor_args(c)
     params = estimate.count_params(args)
     t = c.training
     try:
@@ -111,11 +113,12 @@ def _memory_line(mem: estimate.MemoryEstimate, r: recipe.Recipe) -> str:
 
 
 def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
-    """The nvshmem backend's buffers, sized from the recipe as its runtime will size them."""
+    """The NVSHMEM symmetric buffers of a backend that holds them, sized from the recipe as its
+    runtime will size them."""
     from moe_comm.kernels import capacity
 
     c = r.config
-    if c.moe_comm.backend != "nvshmem":
+    if not backend_class(c.moe_comm.backend).symmetric_heap:
         return []
     from moe_comm.predict.routing_plan import GROUPED_GEMM_ALIGNMENT
     from moe_comm.predict.scale_model import workload_from_recipe
@@ -132,7 +135,7 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
     s = capacity.buffer_sizes(tokens, m.num_experts, m.top_k, row, lay.ep, per_node, mc.recv_capacity_factor)
     rows = capacity.expert_rows(tokens, m.num_experts, m.top_k, lay.ep, mc.recv_capacity_factor, align)
     return [
-        f"nvshmem     {s.nodes} node(s) x {per_node} per EP group, {tokens} tokens per call; buffers per rank "
+        f"{c.moe_comm.backend:<11} {s.nodes} node(s) x {per_node} per EP group, {tokens} tokens per call; buffers per rank "
         f"(recv_capacity_factor {mc.recv_capacity_factor:g}): {per_node} x {s.fwd_slots:,} recv slots, "
         f"{s.net_slots:,} net slots, {s.send_slots:,} send slots, {rows:,} expert rows; "
         f"symmetric heap ~{s.symmetric_bytes() / estimate.GiB:.1f} GiB",
@@ -189,21 +192,23 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
         f"  {'backend':<13} {'network rows':>13} {'NVLink rows':>13} {'network GB':>11} {'NVLink GB':>10} "
         f"{'comm s':>8} {'exposed s':>10} {'step s':>8} {'tok/s/GPU':>10} {'TFLOPS':>7} {'MFU':>6}",
     ]
-    for name, p in preds.items():
+    for choice in scale_model.choices():
+        name, p = choice.label, preds[choice.label]
         mark = "  <- this recipe" if name == ours else ""
-        if not scale_model.runnable(name, w):
-            mark += f"  ({scale_model.refusal(name, w)})"
+        if not scale_model.runnable(choice.backend, w, choice.dispatch_dtype):
+            mark += f"  ({scale_model.refusal(choice.backend, w, choice.dispatch_dtype)})"
         lines.append(
             f"  {name:<13} {p.per_step('network_rows'):>13,.0f} {p.per_step('nvlink_rows'):>13,.0f} "
             f"{p.per_step('network_bytes') / 1e9:>11,.1f} {p.per_step('nvlink_bytes') / 1e9:>10,.1f} "
             f"{p.moe_comm_ms / 1e3:>8.2f} {p.comm_exposed_ms / 1e3:>10.2f} {p.step_ms / 1e3:>8.2f} "
             f"{p.tokens_per_s_per_gpu:>10,.0f} {p.tflops_per_gpu:>7,.0f} {p.mfu:>5.1f}%{mark}"
         )
-    ok = [b for b in preds if scale_model.runnable(b, w)]
+    ok = [c.label for c in scale_model.choices() if scale_model.runnable(c.backend, w, c.dispatch_dtype)]
     best = max(ok, key=lambda b: preds[b].tokens_per_s_per_gpu)
+    base = baseline().label()
     lines.append(
         f"  expected fastest on this cluster: {best} ({preds[best].tokens_per_s_per_gpu:,.0f} tok/s/GPU, "
-        f"{preds[best].tokens_per_s_per_gpu / preds['nccl'].tokens_per_s_per_gpu:.2f}x nccl)"
+        f"{preds[best].tokens_per_s_per_gpu / preds[base].tokens_per_s_per_gpu:.2f}x {base})"
         + ("" if best == ours else f"; this recipe runs {ours}")
     )
     lines += _plan_lines(r, gpu, preds[ours], ours, cal)
@@ -212,7 +217,7 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
 
 def _model_backend(r: recipe.Recipe) -> str:
     mc = r.config.moe_comm
-    return mc.backend + ("-fp8" if mc.backend == "nvshmem" and mc.dispatch_dtype == "fp8" else "")
+    return backend_class(mc.backend).label(mc.dispatch_dtype)
 
 
 PLAN_MARGIN = 1.10  # name the plan's best layout when it is predicted this much faster

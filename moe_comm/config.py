@@ -7,15 +7,13 @@ the dataclass named `JobConfig` into its own, so a recipe stays one TorchTitan T
 from dataclasses import dataclass, field
 from typing import Literal
 
-BackendName = Literal["nccl", "nvshmem", "deepep"]
-BACKENDS: tuple[str, ...] = ("nccl", "nvshmem", "deepep")
-
 
 @dataclass
 class MoEComm:
-    backend: BackendName = "nccl"
-    """Which backend moves MoE tokens: "nccl" (TorchTitan's all-to-all; gloo on CPU),
-    "nvshmem" (this project's CUDA kernels) or "deepep" (DeepEP, installed from source)."""
+    backend: str = "nccl"
+    """Which backend moves MoE tokens: one of moe_comm.backends' registry, which the recipe is
+    checked against before launch: nccl (TorchTitan's all-to-all; gloo on CPU), nvshmem (this
+    project's CUDA kernels) or deepep (DeepEP, installed from source)."""
 
     num_sms: int = 20
     """SMs the nvshmem/deepep kernels may use; the rest stay free for compute."""

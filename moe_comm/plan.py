@@ -21,7 +21,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=None, help="nodes of the cluster (default: [cluster] nodes)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: [cluster] gpus_per_node")
     parser.add_argument("--gpu", default=None, choices=gpus.MODELS, help="default: [cluster] gpu")
-    parser.add_argument("--backend", action="append", default=None, choices=scale_model.BACKENDS,
+    parser.add_argument("--backend", action="append", default=None, choices=[c.label for c in scale_model.choices()],
                         help="rank this backend only (repeatable; default: all)")
     parser.add_argument("--keep", action="append", default=[], metavar="KEY=VALUE",
                         help=f"hold a choice fixed (repeatable); KEY one of {sorted(planner.KEEP_KEYS)}")
@@ -71,7 +71,7 @@ def request(r: recipe.Recipe, nodes: int | None = None, gpus_per_node: int | Non
     return planner.Request(
         base=base, gpu=gpu, nodes=nodes or r.layout.nodes, gpus_per_node=gpus_per_node or r.layout.procs_per_node,
         recv_capacity_factor=c.moe_comm.recv_capacity_factor, recipe_values=values,
-        keep=planner.parse_keep(list(keep)), backends=tuple(backends or scale_model.BACKENDS),
+        keep=planner.parse_keep(list(keep)), backends=planner.backend_choices(backends or []),
         global_tokens=span, headroom=headroom,
     )
 
@@ -84,9 +84,11 @@ def describe(row: planner.Row) -> str:
 
 def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
     lines = []
+    choices = {c.label: c for c in req.backends}
     for backend, rows in rows_by_backend.items():
         if not rows:
-            why = scale_model.refusal(backend, req.base) or "nothing fits"
+            c = choices[backend]
+            why = scale_model.refusal(c.backend, req.base, c.dispatch_dtype) or "nothing fits"
             lines.append(f"{backend}: no feasible layout: {why}")
             continue
         lines.append(f"{backend}: {len(rows)} best feasible layout(s), predicted")
@@ -104,7 +106,7 @@ def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
 
 def explain(row: planner.Row) -> list[str]:
     p = row.prediction
-    lines = [f"{row.backend}: {p.tflops_per_gpu:,.0f} model TFLOPS/GPU predicted against Megatron-Core's "
+    lines = [f"{row.label}: {p.tflops_per_gpu:,.0f} model TFLOPS/GPU predicted against Megatron-Core's "
              f"{planner.MEGATRON_TFLOPS:.0f} (256 GB200, PP 8 VPP 4, EP 32, MXFP8; NOTES section 8), term by term:"]
     for term, cost in planner.shortfall(p):
         lines.append(f"  {cost:>+8,.0f} TFLOPS  {term}")

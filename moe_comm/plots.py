@@ -4,19 +4,19 @@ what the plot shows.
 A plot is read on its own, pasted into a chat or a slide, far from the JSON it came from. So
 each PNG that `python -m moe_comm report` and the benchmarks write carries, in its footer, the
 recipe(s), the hardware, the date and the backend options of what it plots; and a backend has
-the same colour in every plot (nccl is always blue), so plots of one report read together.
+the same colour in every plot (its class's `color`, from matplotlib's tab10 so the rest of a
+figure matches), so plots of one report read together.
 """
 
 import textwrap
+import zlib
 
-# One colour per backend, in every plot (matplotlib's tab10, so the rest of a figure matches).
-BACKEND_COLORS = {
-    "nccl": "#1f77b4",
-    "nvshmem": "#d62728",
-    "deepep": "#2ca02c",
-    "torch_symm": "#9467bd",
-}
+# Series plotted beside the backends that are not one (experiments/bench_comm.py's torch
+# symmetric-memory all-to-all), and the colour of any other name.
+OTHER_SERIES = {"torch_symm": "#9467bd"}
 OTHER_COLOR = "#7f7f7f"
+# A backend whose class names no colour gets one of these, by its name (the same in every plot).
+SPARE_COLORS = ("#ff7f0e", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 # Runs of one backend that differ in something else (recipe, shape, SM budget) keep the
 # backend's colour and differ in line style and marker.
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -26,7 +26,11 @@ FOOTER_FONT_SIZE = 7
 
 
 def backend_color(backend: str) -> str:
-    return BACKEND_COLORS.get(backend, OTHER_COLOR)
+    from moe_comm.backends import backend_class, names
+
+    if backend not in names():
+        return OTHER_SERIES.get(backend, OTHER_COLOR)
+    return backend_class(backend).color or SPARE_COLORS[zlib.crc32(backend.encode()) % len(SPARE_COLORS)]
 
 
 def save(fig, path, footer: list[str], top_in: float = 0.0) -> None:

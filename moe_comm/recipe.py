@@ -4,15 +4,16 @@ validate it before any process starts.
 Every problem is a `RecipeError` that names the field and the fix: unknown sections or keys
 (checked against TorchTitan's JobConfig merged with moe_comm.config.JobConfig, the same merge
 TorchTitan does), values of the wrong type, bad command-line overrides, layouts that cannot
-work (the degrees not multiplying to the world size, EP not dividing the ranks it borrows),
-TorchTitan fields it would divide by zero or assert on (moe_comm.titan_fields), bad [cluster]
-values, and whatever the chosen backend cannot run (its class's `check_run`, asked with a
-`RunPlan` of what is known before launch). What the run needs on this machine's disk (the
-tokenizer, the dataset's records, a writable dump folder: moe_comm.files) are launch blockers:
-raised together, or kept for `check` to list after its plan.
+work (moe_comm.layout's rules: the degrees not multiplying to the world size, EP not dividing
+the ranks it borrows), TorchTitan fields it would divide by zero or assert on
+(moe_comm.titan_fields), bad [cluster] values, and whatever the chosen backend cannot run (its
+class's `check_run`, asked with the moe_comm.layout.RunPlan of what is known before launch).
+What the run needs on this machine's disk (the tokenizer, the dataset's records, a writable
+dump folder: moe_comm.files) are launch blockers: raised together, or kept for `check` to list
+after its plan.
 
-`check`, `submit` and `train` all call `load`; the model build asks the same `check_layout`
-and `check_run` again with what the ranks see.
+`check`, `submit` and `train` all call `load`; the model build asks the same layout rules and
+`check_run` again with what the ranks see.
 
 Overrides (`--section.key value`) are parsed here, once, against the same merged JobConfig:
 one error per bad override (the override, the expected type, the nearest valid key). What
@@ -35,14 +36,13 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from moe_comm import files, titan_fields
-from moe_comm.config import BACKENDS
+from moe_comm.config import MoEComm
 from moe_comm.errors import LaunchBlockers, RecipeError
-from moe_comm.predict.estimate import Layout
+from moe_comm.layout import check_layout, flavor_args, Layout, OUR_MODEL_NAME, resolve_layout, run_plan
 
 REPO = Path(__file__).resolve().parents[1]
 OUR_CONFIG_MODULE = "moe_comm.config"
 OUR_IMPORT_MODULE = "moe_comm.titan"
-OUR_MODEL_NAME = "deepseek_v3_moe_comm"
 MODEL_NAMES = (OUR_MODEL_NAME, "deepseek_v3_titan", "deepseek_v3")
 CONVERTERS = (
     "quantize.linear.float8",
@@ -53,7 +53,7 @@ CONVERTERS = (
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]*$")  # it becomes a file and folder name
 
-__all__ = ["Recipe", "RecipeError", "LaunchBlockers", "load", "check_layout", "run_plan", "split_cli_overrides", "main_error"]
+__all__ = ["Recipe", "RecipeError", "LaunchBlockers", "load", "split_cli_overrides", "main_error"]
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Recipe:
     layout: Layout
     device: str  # "cuda" or "cpu"
     overrides: list[str] = field(default_factory=list)  # canonical, for TorchTitan in the ranks
-    plan: object = None  # the backends.RunPlan the backend was checked with
+    plan: object = None  # the layout.RunPlan the backend was checked with
     notes: list[str] = field(default_factory=list)  # what could not be checked before launch
     warnings: list[str] = field(default_factory=list)  # what runs, but likely not as meant
     blockers: list[str] = field(default_factory=list)  # what stops a launch (load(allow_blockers=True))
@@ -156,8 +156,20 @@ def _hint(word: str, choices) -> str:
     return f"did you mean {close[0]!r}? " if close else ""
 
 
-def _check_keys(cls, data: dict, where: str) -> None:
+def _field_types(cls) -> dict:
+    """A config dataclass's field types as the checks here read them. [moe_comm] backend is a
+    string in moe_comm.config (so a backend registered at run time is one); its choices are the
+    registry's names (moe_comm.backends), checked here like any other choice."""
     hints = typing.get_type_hints(cls)
+    if cls is MoEComm:
+        from moe_comm import backends
+
+        hints["backend"] = typing.Literal[backends.names()]
+    return hints
+
+
+def _check_keys(cls, data: dict, where: str) -> None:
+    hints = _field_types(cls)
     valid = {f.name for f in fields(cls)}
     for key, value in data.items():
         name = f"[{where}] {key}" if where else f"[{key}]"
@@ -186,7 +198,7 @@ _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
 def _leaf_fields(cls, prefix: str = "") -> dict[str, object]:
     """'section.key' -> field type, for every leaf field of the merged JobConfig."""
     out = {}
-    hints = typing.get_type_hints(cls)
+    hints = _field_types(cls)
     for f in fields(cls):
         t = hints[f.name]
         if is_dataclass(t):
@@ -303,176 +315,11 @@ def _job_config(path: str, raw: dict, values: dict[str, object]):
 
 # ---- the checks -------------------------------------------------------------------------------
 
-def flavor_args(config):
-    from torchtitan.models.deepseek_v3 import deepseekv3_args
-
-    from moe_comm.titan import flavors
-
-    flavors.register()
-    if config.model.flavor not in deepseekv3_args:
-        raise RecipeError(
-            f"[model] flavor = {config.model.flavor!r} is not a DeepSeek-V3 flavor; "
-            f"choose one of {sorted(deepseekv3_args)}"
-        )
-    return deepseekv3_args[config.model.flavor]
-
-
-def resolve_layout(config, nnodes: int | None, nproc_per_node: int | None) -> Layout:
-    """The process count and parallel degrees, checked the way TorchTitan's ParallelDims will."""
-    p = config.parallelism
-    nodes = nnodes if nnodes is not None else config.cluster.nodes
-    per_node = nproc_per_node if nproc_per_node is not None else config.cluster.gpus_per_node
-    if nodes < 1:
-        raise RecipeError(f"[cluster] nodes = {nodes} must be >= 1")
-    if per_node < 1:
-        raise RecipeError(f"[cluster] gpus_per_node = {per_node} must be >= 1 (processes per node)")
-    world = nodes * per_node
-    have = f"[cluster] nodes = {nodes} x gpus_per_node = {per_node} = {world} processes"
-    for name in (
-        "data_parallel_replicate_degree",
-        "context_parallel_degree",
-        "tensor_parallel_degree",
-        "pipeline_parallel_degree",
-        "expert_parallel_degree",
-        "expert_tensor_parallel_degree",
-    ):
-        if getattr(p, name) < 1:
-            raise RecipeError(f"[parallelism] {name} = {getattr(p, name)} must be >= 1")
-    dp_rep, cp, tp, pp = (
-        p.data_parallel_replicate_degree,
-        p.context_parallel_degree,
-        p.tensor_parallel_degree,
-        p.pipeline_parallel_degree,
-    )
-    dp_shard = p.data_parallel_shard_degree
-    others = dp_rep * cp * tp * pp
-    if dp_shard == -1:
-        if world % others != 0:
-            need = -(-world // others) * others
-            raise RecipeError(
-                f"{have}, but the world size {world} is not divisible by dp_replicate x cp x tp x pp "
-                f"= {others} ([parallelism]; data_parallel_shard_degree = -1 takes the rest): choose "
-                f"nodes so that nodes x gpus_per_node is a multiple of {others} (e.g. {need} "
-                "processes), or change [parallelism]"
-            )
-        dp_shard = world // others
-    elif dp_shard < 1:
-        raise RecipeError(f"[parallelism] data_parallel_shard_degree = {dp_shard} must be -1 or >= 1")
-    product = dp_rep * dp_shard * cp * tp * pp
-    if product != world:
-        fix = (
-            f"set [cluster] nodes = {product // per_node} (submit: --nodes {product // per_node})"
-            if product % per_node == 0
-            else "change [cluster] gpus_per_node or the degrees"
-        )
-        raise RecipeError(
-            f"{have}, but the layout dp_replicate {dp_rep} x dp_shard {dp_shard} x cp {cp} x tp {tp} "
-            f"x pp {pp} multiplies to {product}, so the world size is {world} against {product}: "
-            f"{fix}, or set data_parallel_shard_degree = -1 to fill the nodes"
-        )
-    ep, etp = p.expert_parallel_degree, p.expert_tensor_parallel_degree
-    if ep > 1 and etp not in (1, tp):
-        raise RecipeError(
-            f"[parallelism] expert_tensor_parallel_degree = {etp} must be 1 or equal to "
-            f"tensor_parallel_degree ({tp}) when expert_parallel_degree > 1"
-        )
-    borrowable = dp_shard * cp * tp
-    if ep > 1 and borrowable % (ep * etp) != 0:
-        raise RecipeError(
-            f"[parallelism] expert_parallel_degree = {ep} (x etp {etp}) must divide "
-            f"dp_shard x cp x tp = {borrowable}, the ranks EP borrows from ({have}); change "
-            "expert_parallel_degree or the nodes"
-        )
-    return Layout(world, nodes, per_node, dp_rep, dp_shard, cp, tp, pp, ep, etp)
-
-
-def check_layout(config, layout: Layout, args, device: str) -> None:
-    """What our train spec (TorchTitan's deepseek_v3 parallelize with our EP hook) runs; asked
-    by `load` and again by moe_comm.titan.parallelize at model build."""
-    t = config.training
-    if t.local_batch_size < 1 or t.seq_len < 1 or t.steps < 1:
-        raise RecipeError("[training] local_batch_size, seq_len and steps must be >= 1")
-    divisor = layout.tp * layout.cp * 2  # TorchTitan's ParallelDims.seq_len_divisor
-    if t.seq_len % divisor != 0:
-        raise RecipeError(
-            f"[training] seq_len = {t.seq_len} must be divisible by tp x 2 x cp = {divisor} "
-            "(TorchTitan's sequence and context parallel split)"
-        )
-    attn_type = getattr(args, "attn_type", "sdpa")
-    if device == "cpu" and attn_type != "sdpa":
-        kernel = ("FlashAttention's variable-length kernel is CUDA only" if attn_type == "varlen"
-                  else "whose backward does not run on CPU")
-        raise RecipeError(
-            f"[model] flavor = {config.model.flavor!r} uses {attn_type} attention ({kernel}); use "
-            "flavor = \"debugmodel\" on CPU"
-        )
-    if attn_type == "varlen":  # moe_comm.titan.attention
-        if args.attn_mask_type != "block_causal":
-            raise RecipeError(
-                f"[model] flavor = {config.model.flavor!r}: varlen attention is block-causal, but the flavor's "
-                f"attn_mask_type is {args.attn_mask_type!r}; use a flavor with block_causal masks"
-            )
-        if config.model.name != OUR_MODEL_NAME:
-            raise RecipeError(
-                f"[model] flavor = {config.model.flavor!r} (varlen attention) runs on our model only: TorchTitan's "
-                f"own deepseek_v3 ({config.model.name!r}) has sdpa and flex; set [model] name = \"{OUR_MODEL_NAME}\" "
-                "or drop the flavor's _varlen suffix"
-            )
-    if layout.cp > 1 and attn_type != "sdpa":
-        raise RecipeError(
-            f"[parallelism] context_parallel_degree = {layout.cp} needs SDPA attention; flavor "
-            f"{config.model.flavor!r} uses {attn_type}: set context_parallel_degree = 1"
-        )
-    if config.parallelism.expert_parallel_comm_backend != "standard":
-        raise RecipeError(
-            "[parallelism] expert_parallel_comm_backend must stay \"standard\"; choose the "
-            "backend with [moe_comm] backend (e.g. backend = \"deepep\")"
-        )
-    if layout.ep > 1 and layout.tp > 1:
-        raise RecipeError(
-            "[parallelism] tensor_parallel_degree > 1 with expert_parallel_degree > 1 is not "
-            "supported by the moe_comm EP hook; use FSDP and PP with EP"
-        )
-
-
-def run_plan(config, layout: Layout, args, device: str, *, gpu: str = "", gpu_sms: int = 0,
-             launch_env=None, launch_env_source: str = "", python_env: str = ""):
-    """The backends.RunPlan of this recipe: what its backend's `check_run` is asked with."""
-    from moe_comm.backends import RunPlan
-
-    t, p = config.training, config.parallelism
-    return RunPlan(
-        options=config.moe_comm,
-        device=device,
-        ep=layout.ep,
-        ranks_per_node=layout.procs_per_node,
-        nodes=layout.nodes,
-        num_experts=args.moe_args.num_experts,
-        top_k=args.moe_args.top_k,
-        hidden=args.dim,
-        score_before_experts=args.moe_args.score_before_experts,
-        tokens_per_rank=t.local_batch_size * t.seq_len // (layout.cp * layout.tp),
-        param_dtype=t.mixed_precision_param,
-        converters=tuple(config.model.converters),
-        gpu=gpu,
-        gpu_sms=gpu_sms,
-        launch_env=launch_env,
-        launch_env_source=launch_env_source or "the launch environment",
-        python_env=python_env,
-        activation_checkpoint=config.activation_checkpoint.mode,
-        # TorchTitan's get_dual_pipe_v_flag, from the recipe instead of the built process groups
-        dual_pipe_v=(layout.pp > 1 and layout.ep > 1 and p.pipeline_parallel_expert_parallel_overlap
-                     and p.pipeline_parallel_schedule.lower() == "dualpipev"),
-        pp=layout.pp,
-        pp_schedule=p.pipeline_parallel_schedule,
-    )
-
-
 def no_effect_warnings(raw: dict, values: dict[str, object], plan) -> list[str]:
     """One warning per [moe_comm] option the recipe (or an override) sets that the chosen
     backend does not read for this run (its class's `ignored_options`), naming the backends
     that would."""
-    from moe_comm.backends import backend_class
+    from moe_comm.backends import backend_class, names
 
     o = plan.options
     ignored = backend_class(o.backend).ignored_options(plan)
@@ -480,7 +327,7 @@ def no_effect_warnings(raw: dict, values: dict[str, object], plan) -> list[str]:
     for option, why in ignored.items():
         if option not in raw.get("moe_comm", {}) and f"moe_comm.{option}" not in values:
             continue
-        readers = [b for b in BACKENDS if option not in backend_class(b).ignored_options(plan)]
+        readers = [b for b in names() if option not in backend_class(b).ignored_options(plan)]
         who = f"; {' and '.join(readers)} read{'s' if len(readers) == 1 else ''} it" if readers else ""
         warnings.append(f"[moe_comm] {option} = {getattr(o, option)!r} has no effect here: {why}{who}")
     return warnings
@@ -600,8 +447,10 @@ def load(
             f"{model_name!r} train spec (and the CPU adaptations)"
         )
     config = _job_config(path, raw, values)
-    if config.moe_comm.backend not in BACKENDS:
-        raise RecipeError(f"[moe_comm] backend = {config.moe_comm.backend!r}: choose one of {list(BACKENDS)}")
+    from moe_comm.backends import backend_class, names
+
+    if config.moe_comm.backend not in names():
+        raise RecipeError(f"[moe_comm] backend = {config.moe_comm.backend!r}: choose one of {list(names())}")
     _check_cluster(config.cluster)
 
     from moe_comm import gpus
@@ -635,8 +484,6 @@ def load(
         launch_env, source = None, ""
     plan = run_plan(config, layout, args, device, gpu=gpu, gpu_sms=gpu_sms, launch_env=launch_env,
                     launch_env_source=source, python_env="" if here else job_python(config.cluster))
-    from moe_comm.backends import backend_class
-
     notes = backend_class(config.moe_comm.backend).check_run(plan)
     _check_dataset_name(config)
     blockers, warnings = [], no_effect_warnings(raw, values, plan)

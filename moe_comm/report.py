@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_comm import plots
+from moe_comm.backends import backend_class, baseline, names
 from moe_comm.config import MoEComm
 from moe_comm.metrics import keys
 from moe_comm.metrics.keys import JSONL_NAME
@@ -64,9 +65,13 @@ class Run:
 
     @property
     def backend_name(self) -> str:
+        """Its backend's label for it (the class's `run_label`); a name no backend has (an older
+        run's) with the SM budget it recorded."""
         backend = self.static.get(keys.BACKEND, "?")
-        sms = (self.static.get(keys.BACKEND_OPTIONS) or {}).get("num_sms")
-        return backend if backend == "nccl" or sms is None else f"{backend}-sm{sms}"
+        options = self.static.get(keys.BACKEND_OPTIONS) or {}
+        if backend in names():
+            return backend_class(backend).run_label(options)
+        return backend if options.get("num_sms") is None else f"{backend}-sm{options['num_sms']}"
 
     @property
     def shape(self) -> str:
@@ -159,13 +164,15 @@ def summarize_run(run: Run, warmup_steps: int = DEFAULT_WARMUP_STEPS, relative_t
 
 
 def add_speedups(summaries: list[dict[str, Any]]) -> None:
-    """tokens/s relative to the nccl run of the same recipe and shape ("vs_nccl")."""
-    baseline = {
-        (s["recipe"], s["shape"]): s["tps"] for s in summaries if s["backend"] == "nccl" and s["tps"]
+    """tokens/s relative to the baseline backend's run (moe_comm.backends.baseline, TorchTitan's
+    own path) of the same recipe and shape ("vs_<baseline>")."""
+    name = baseline().name
+    base_tps = {
+        (s["recipe"], s["shape"]): s["tps"] for s in summaries if s["backend"] == name and s["tps"]
     }
     for s in summaries:
-        base = baseline.get((s["recipe"], s["shape"]))
-        s["vs_nccl"] = s["tps"] / base if base and s["tps"] else None
+        base = base_tps.get((s["recipe"], s["shape"]))
+        s[f"vs_{name}"] = s["tps"] / base if base and s["tps"] else None
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -173,7 +180,8 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def markdown_table(summaries: list[dict[str, Any]]) -> str:
-    header = ("| recipe | backend | batch×seq | tok/s/GPU | vs nccl | TFLOPS | MFU % | "
+    name = baseline().name
+    header = (f"| recipe | backend | batch×seq | tok/s/GPU | vs {name} | TFLOPS | MFU % | "
               "comm not hidden % | dispatch ms | combine ms | step ms | sent GB/step | "
               "rank imbalance | mem GiB | loss |")
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
@@ -181,7 +189,7 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
         mfu = _fmt(s["mfu"], ".2f") + ("" if s["peak_dtype"] == "bf16" else f" ({s['peak_dtype']} peak)")
         lines.append(
             f"| {s['recipe']} | {s['backend_name']} | {s['shape']} | {_fmt(s['tps'], ',.0f')} | "
-            f"{_fmt(s.get('vs_nccl'), '.3f')} | {_fmt(s['tflops'], '.1f')} | {mfu} | "
+            f"{_fmt(s.get(f'vs_{name}'), '.3f')} | {_fmt(s['tflops'], '.1f')} | {mfu} | "
             f"{_fmt(s['comm_exposed_pct'], '.1f')} | {_fmt(s['dispatch_ms'], '.2f')} | "
             f"{_fmt(s['combine_ms'], '.2f')} | {_fmt(s['step_ms'], '.1f')} | "
             f"{_fmt(s['sent_gb'], '.3f')} | {_fmt(s['imbalance_rank'], '.3f')} | "
@@ -322,7 +330,8 @@ def build_report(
     if not jsonl_files:
         raise FileNotFoundError(f"no {JSONL_NAME} under {', '.join(map(str, run_paths))}")
     runs = [load_run(j) for j in jsonl_files]
-    runs.sort(key=lambda r: (str(r.static.get(keys.RECIPE)), r.shape, r.backend_name != "nccl", r.backend_name))
+    first = baseline().name  # the baseline's run first in its recipe and shape
+    runs.sort(key=lambda r: (str(r.static.get(keys.RECIPE)), r.shape, r.backend_name != first, r.backend_name))
     summaries = [summarize_run(r, warmup_steps, relative_to=out) for r in runs]
     add_speedups(summaries)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ profiling, validation) are checked only when it is on, as TorchTitan reads them 
 """
 
 from moe_comm.errors import RecipeError
-from moe_comm.predict.estimate import Layout
+from moe_comm.layout import Layout
 
 
 def _at_least(section: str, name: str, value: int, low: int, why: str) -> None:

@@ -11,6 +11,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from moe_comm.backends import backend_class
 from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec
 from moe_comm.config import MoEComm
 
@@ -37,8 +38,10 @@ class FakeBackend(CommBackend):
 
 
 def make_fake(name: str = "nccl", num_experts: int = 4, top_k: int = 2, hidden: int = 8):
+    """A fake that the metrics take for backend `name`: its name and how its class sends."""
     backend = FakeBackend(MoELayerSpec(num_experts, top_k, hidden), dist.group.WORLD, MoEComm(backend=name))
     backend.name = name
+    backend.sends_once_per_rank = backend_class(name).sends_once_per_rank
     return backend
 
 

@@ -6,12 +6,13 @@ import sys
 
 import pytest
 
-from moe_comm.backends import RunPlan, backend_class
+from moe_comm.backends import backend_class
 from moe_comm.backends.deepep import DeepEPBackend
 from moe_comm.backends.nvshmem import NvshmemBackend
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 from moe_comm.kernels.limits import LIMITS
+from moe_comm.layout import RunPlan
 
 IB_ENV = {"NVSHMEM_REMOTE_TRANSPORT": "ibrc", "NVSHMEM_HCA_LIST": "mlx5_0:1"}
 

@@ -10,7 +10,7 @@ from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
 from moe_comm.predict import estimate
 from moe_comm.__main__ import main
-from moe_comm.titan import flavors
+from moe_comm.layout import flavors, Layout
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 4096
@@ -50,7 +50,7 @@ def test_memory_peaks_hand_counted():
     """Forward end = 12 B/param + working set + activations + logits; backward end = 16 B/param
     + working set + the largest unit's unsharded gradients (bf16 + fp32); the peak is the larger."""
     args = deepseekv3_args["debugmodel"]
-    lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
+    lay = Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
     p = estimate.count_params(args)
     mem = estimate.memory_per_gpu(args, lay, 2, 256, "none")
     assert mem.params_and_optimizer == 12 * p.total / 2 and mem.gradients == 4 * p.total / 2
@@ -70,10 +70,10 @@ def test_one_gpu_memory_hand_counted():
     without AC), the residual stream's tensors in fp32 - checked term by term."""
     flavors.register()
     a = deepseekv3_args["671B_layers_1gpu"]
-    one = estimate.Layout(1, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+    one = Layout(1, 1, 1, 1, 1, 1, 1, 1, 1, 1)
     assert not estimate.fsdp_applied(one) and estimate.autocast(one)
-    assert estimate.fsdp_applied(estimate.Layout(2, 1, 2, 1, 1, 1, 2, 1, 2, 1))  # EP borrows: fully_shard
-    assert not estimate.autocast(estimate.Layout(2, 1, 2, 1, 1, 1, 2, 1, 1, 1))  # TP without FSDP: fp32
+    assert estimate.fsdp_applied(Layout(2, 1, 2, 1, 1, 1, 2, 1, 2, 1))  # EP borrows: fully_shard
+    assert not estimate.autocast(Layout(2, 1, 2, 1, 1, 1, 2, 1, 1, 1))  # TP without FSDP: fp32
     p = estimate.count_params(a)
     routed = 2 * 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim  # 2 MoE layers
     none = estimate.memory_per_gpu(a, one, 2, SEQ, "none")
@@ -95,7 +95,7 @@ def test_one_gpu_memory_hand_counted():
 
 def test_memory_estimate_is_close_to_measured_16b():
     # results/h200x2: 16B, FSDP 2, EP 2, 1 x 4096, full AC: 119.5 GiB in use, 127.5 reserved
-    lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
+    lay = Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
     mem = estimate.memory_per_gpu(deepseekv3_args["16B"], lay, 1, SEQ, "full")
     assert mem.peak_at == "end of backward"
     assert mem.total / estimate.GiB == pytest.approx(119.5, rel=0.03)
@@ -105,7 +105,7 @@ def test_memory_estimate_is_close_to_measured_16b():
 def test_memory_estimate_is_close_to_measured_671b_layers():
     # results/h200x2: 4 x 4096 without AC: 102.9 GiB in use (137.4 reserved, capped by the device)
     flavors.register()
-    lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
+    lay = Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
     mem = estimate.memory_per_gpu(deepseekv3_args["671B_layers"], lay, 4, SEQ, "none")
     assert mem.peak_at == "end of forward"
     assert mem.total / estimate.GiB == pytest.approx(102.9, rel=0.03)
@@ -134,7 +134,8 @@ def test_check_cli_on_the_one_gpu_recipe(capsys, monkeypatch):
     assert main(["check", "recipes/deepseek_v3_671b_h200x1.toml", "--skip-files"]) == 0
     out = capsys.readouterr().out
     assert "autocast's bf16 weight copies" in out and "no fully_shard" in out and "FSDP working set" not in out
-    assert "expert_parallel_degree 1" in out and "(refused at EP 1" in out
+    # the refusal is DeepEPBackend.check_run's own
+    assert "expert_parallel_degree 1" in out and "(refused: [parallelism] expert_parallel_degree = 1: DeepEP has no one-rank" in out
     assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
 
 
@@ -154,8 +155,8 @@ def test_check_cli_on_flagship_with_nvshmem_prints_its_buffers(capsys, monkeypat
     assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
 
 
-def _flagship_layout(pp: int = 8) -> estimate.Layout:
-    return estimate.Layout(256, 32, 8, 1, 256 // pp, 1, 1, pp, 32, 1)
+def _flagship_layout(pp: int = 8) -> Layout:
+    return Layout(256, 32, 8, 1, 256 // pp, 1, 1, pp, 32, 1)
 
 
 def test_pipelined_memory_hand_counted():

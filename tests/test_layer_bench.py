@@ -145,7 +145,8 @@ def test_the_scale_model_reads_what_the_bench_writes(bench, tmp_path, monkeypatc
     relabelled as a GPU run of a registered flavor, prices its own shape from its own parts."""
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
-    from moe_comm.predict import estimate, layer_compute
+    from moe_comm.layout import Layout
+    from moe_comm.predict import layer_compute
     from moe_comm.predict.scale_model import Workload
 
     _, doc = bench
@@ -156,7 +157,7 @@ def test_the_scale_model_reads_what_the_bench_writes(bench, tmp_path, monkeypatc
     flagship = lb.cases(tiny=True)[0]
     tiny = lb.flavor_args(flagship)
     monkeypatch.setitem(deepseekv3_args, "tiny", tiny)
-    layout = estimate.Layout(4, 1, 4, 1, 4, 1, 1, 1, flagship.ep, 1)
+    layout = Layout(4, 1, 4, 1, 4, 1, 1, 1, flagship.ep, 1)
     w = Workload("tiny", tiny, layout, 1, flagship.seq_len, 1, "full", (), "node_limited", 20)
     c = layer_compute.rank_ms(layer_compute.load(path), w, "H200", tuple(range(tiny.n_layers)), True, True)
     part = {p["name"]: p for p in doc["parts"] if p["case"] == "flagship"}

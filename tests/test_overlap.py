@@ -51,11 +51,12 @@ import torch
 import torch.distributed as dist
 
 import moe_comm.titan  # noqa: F401  CPU adaptations, flavors, train specs
-from moe_comm.backends import build_backend, MoELayerSpec, RunPlan
+from moe_comm.backends import build_backend, MoELayerSpec
 from moe_comm.backends.base import chunk_sizes, CommBackend, tokens_per_call
 from moe_comm.backends.nccl import NcclBackend
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
+from moe_comm.layout import RunPlan
 from moe_comm.metrics import instrument, keys
 from moe_comm.metrics.instrumented import summarize
 from moe_comm.metrics.peaks import resolve_peak

@@ -240,15 +240,16 @@ def test_flagship_with_nvshmem_passes_and_needs_the_platform_network_settings():
 
 def test_model_build_asks_the_same_checks():
     """titan/parallelize checks with what the ranks see: here no CUDA, so nvshmem is refused
-    with the very error `check` gives, and the layout rules are recipe.check_layout's."""
+    with the very error `check` gives, and the layout rules are moe_comm.layout.check_layout's."""
     from types import SimpleNamespace
 
     from torchtitan.distributed import ParallelDims
 
+    from moe_comm.layout import flavor_args
     from moe_comm.titan.parallelize import check_before_build
 
     config = recipe.load("recipes/debug_cpu.toml", ["--moe_comm.backend", "nvshmem"], device="cuda", check_paths=False).config
-    model = SimpleNamespace(model_args=recipe.flavor_args(config))
+    model = SimpleNamespace(model_args=flavor_args(config))
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1, world_size=2)
     with pytest.raises(recipe.RecipeError, match="needs CUDA GPUs and this run is on cpu"):
         check_before_build(model, dims, config)

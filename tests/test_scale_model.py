@@ -9,6 +9,7 @@ import pytest
 from torchtitan.models.moe import MoEArgs
 
 import layer_bench_fakes
+from moe_comm.layout import Layout
 from moe_comm.predict import calibration, estimate, layer_compute, scale_model, validation
 from moe_comm.predict.assumptions import VALIDATION
 from moe_comm.predict.calibration import Calibration
@@ -31,7 +32,7 @@ def two_by_two():
     gpu = GPUSpec("H200", 1000.0, 2000.0, 4.8, 132, 400.0)
     cluster = Cluster(gpu, nodes=2, gpus_per_node=2, nvlink_copy_gbps=400.0, nic_gbps=50.0)
     args = scale_model.MoEShape(1024, MoEArgs(num_experts=8, top_k=2))
-    lay = estimate.Layout(4, 2, 2, 1, 4, 1, 1, 1, 4, 1)
+    lay = Layout(4, 2, 2, 1, 4, 1, 1, 1, 4, 1)
     w = Workload("hand", args, lay, 1, 1024, 1, "none", (), "balanced", num_sms=16)
     return w, cluster
 
@@ -67,7 +68,7 @@ def test_hierarchical_transfer_by_hand(two_by_two):
 
 def test_fp8_dispatch_halves_the_forward_dispatch_bytes_only(two_by_two):
     w, cluster = two_by_two
-    comm = scale_model.layer_comm("nvshmem-fp8", w, cluster, hand_calibration())
+    comm = scale_model.layer_comm("nvshmem", w, cluster, hand_calibration(), dispatch_dtype="fp8")
     assert comm.transfers[0].row_bytes == 1024 + 1024 / 128 * 4 + META
     assert {t.row_bytes for t in comm.transfers[1:]} == {1024 * 2 + META}
 
@@ -88,7 +89,7 @@ def test_all_to_all_transfer_by_hand(two_by_two):
 
 def test_intranode_has_no_network_phase(two_by_two):
     w, cluster = two_by_two
-    one_node = replace(w, layout=estimate.Layout(4, 1, 4, 1, 4, 1, 1, 1, 4, 1))
+    one_node = replace(w, layout=Layout(4, 1, 4, 1, 4, 1, 1, 1, 4, 1))
     d = scale_model.layer_comm("nvshmem", one_node, replace(cluster, nodes=1, gpus_per_node=4), hand_calibration()).transfers[0]
     # 3 of 4 tokens go to another rank, one row each; all 16 SMs drive NVLink
     assert d.network_rows == 0 and d.nvlink_rows == 768
@@ -98,7 +99,7 @@ def test_intranode_has_no_network_phase(two_by_two):
 
 def test_virtual_nodes_split_one_machine(two_by_two):
     w, _ = two_by_two
-    v = replace(w, layout=estimate.Layout(4, 1, 4, 1, 4, 1, 1, 1, 4, 1), virtual_node_size=2)
+    v = replace(w, layout=Layout(4, 1, 4, 1, 4, 1, 1, 1, 4, 1), virtual_node_size=2)
     assert (v.ranks_per_node, v.ep_nodes) == (2, 2)
 
 
@@ -112,7 +113,7 @@ def test_step_terms_by_hand():
     cal = hand_calibration()
     gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
     cluster = Cluster(gpu, 1, 2, 400.0, 50.0)
-    lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
+    lay = Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
     w = Workload("16B", a, lay, 1, 4096, 1, "none", (), "random", num_sms=20)
     p = scale_model.predict("nvshmem", w, cluster, cal)
     T = 4096
@@ -158,7 +159,7 @@ def test_pipeline_bubble_and_microbatches():
 
     a = deepseekv3_args["16B"]
     gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
-    lay = estimate.Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
+    lay = Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
     w = Workload("16B", a, lay, 8, 4096, 1, "full", (), "random", num_sms=20)
     p = scale_model.predict("nvshmem", w, Cluster(gpu, 2, 8, 400.0, 50.0), hand_calibration())
     assert w.microbatches == 8 and w.tokens_per_call == 4096
@@ -302,7 +303,7 @@ def test_chunked_overlap_in_the_step(two_by_two):
     cal = hand_calibration()
     gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
     cluster = Cluster(gpu, 1, 2, 400.0, 50.0)
-    lay = estimate.Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
+    lay = Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1)
     w = Workload("16B", a, lay, 1, 4096, 1, "none", (), "random", num_sms=33)
     plain = scale_model.predict("nvshmem", w, cluster, cal)
     chunked = scale_model.predict("nvshmem", replace(w, overlap="chunked"), cluster, cal)
@@ -329,7 +330,7 @@ def test_the_bubble_is_the_schedules_of_the_step_terms():
 
     a = deepseekv3_args["16B"]
     gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
-    lay = estimate.Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
+    lay = Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
     w = Workload("16B", a, lay, 16, 4096, 1, "full", (), "random", num_sms=20, pp_schedule="Interleaved1F1B",
                  layers_per_stage=4)
     p = scale_model.predict("nvshmem", w, Cluster(gpu, 2, 8, 400.0, 50.0), hand_calibration())
@@ -350,7 +351,7 @@ def test_dualpipev_overlap_needs_its_schedule_and_no_ac():
     a = deepseekv3_args["16B"]
     gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
     cluster = Cluster(gpu, 2, 8, 400.0, 50.0)
-    lay = estimate.Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
+    lay = Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
     w = Workload("16B", a, lay, 16, 4096, 1, "none", (), "random", num_sms=20, pp_schedule="DualPipeV")
     plain = scale_model.predict("nvshmem", w, cluster, hand_calibration())
     ep = scale_model.predict("nvshmem", replace(w, overlap="dualpipev"), cluster, hand_calibration())

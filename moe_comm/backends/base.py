@@ -13,7 +13,7 @@ avoid host syncs, the exact count for the NCCL path).
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from moe_comm import gpus
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
+from moe_comm.layout import RunPlan
 
 
 # Token chunks per MoE layer call for each [moe_comm] overlap (moe_comm.titan.overlap).
@@ -68,69 +69,51 @@ class MoELayerSpec:
     score_before_experts: bool = False
 
 
+def run_plan_for_group(layer: MoELayerSpec, ep_group: dist.ProcessGroup, config: MoEComm) -> RunPlan:
+    """The RunPlan as far as a process that builds a backend can see it: its EP group, its
+    device, torchrun's LOCAL_WORLD_SIZE and its environment (what NVSHMEM will read)."""
+    ep = dist.get_world_size(ep_group)
+    world = dist.get_world_size() if dist.is_initialized() else ep
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = gpus.this_machine()
+    return RunPlan(
+        options=config,
+        device="cuda" if device else "cpu",
+        ep=ep,
+        ranks_per_node=per_node,
+        nodes=max(1, world // per_node),
+        num_experts=layer.num_experts,
+        top_k=layer.top_k,
+        hidden=layer.hidden,
+        score_before_experts=layer.score_before_experts,
+        gpu=device[0] if device else "",
+        gpu_sms=device[1] if device else 0,
+        launch_env=dict(os.environ),
+        launch_env_source="this process's environment",
+    )
+
+
 @dataclass(frozen=True)
-class RunPlan:
-    """What is known about a run before its backend starts, for `CommBackend.check_run`.
+class CostTraits:
+    """What the scale model (moe_comm.predict.scale_model) needs to price a backend's dispatch
+    and combine. Each value names the measurement it is priced from (moe_comm.predict.calibration
+    fits them; results/scale_model.md lists them)."""
 
-    recipe.py builds it before launch (`check`, `submit`, `train` before torchrun) from the
-    recipe's content and this machine; the model build builds it again from the live process
-    group and device. Fields the caller cannot know are left at their "unknown" value (0, "",
-    None), and a check that needs them says what it could not verify instead of guessing.
-    """
-
-    options: MoEComm  # the [moe_comm] section, overrides applied
-    device: str  # "cuda" or "cpu": where the ranks run
-    ep: int  # ranks in one EP group
-    ranks_per_node: int  # processes per real node
-    nodes: int  # nodes in the job
-    num_experts: int
-    top_k: int
-    hidden: int
-    score_before_experts: bool = False
-    tokens_per_rank: int = 0  # tokens one rank routes per MoE call (0: unknown)
-    param_dtype: str = ""  # [training] mixed_precision_param ("": unknown)
-    converters: tuple[str, ...] = ()
-    gpu: str = ""  # GPU model or device name ("": unknown before launch)
-    gpu_sms: int = 0  # its SM count (0: unknown)
-    launch_env: Mapping[str, str] | None = field(default=None, compare=False)
-    """The environment the ranks start with (None: unknown), e.g. what [cluster] env_file sets."""
-    launch_env_source: str = "the launch environment"  # where launch_env comes from, for messages
-    python_env: str = ""  # "": the ranks run in this Python environment; else where they run
-    activation_checkpoint: str = ""  # [activation_checkpoint] mode ("": unknown)
-    dual_pipe_v: bool = False
-    """TorchTitan's DualPipeV EP overlap is on: pipeline and expert parallelism, [parallelism]
-    pipeline_parallel_schedule = "DualPipeV" and pipeline_parallel_expert_parallel_overlap."""
-    pp: int = 0  # pipeline_parallel_degree (0: unknown)
-    pp_schedule: str = ""  # [parallelism] pipeline_parallel_schedule ("": unknown)
-
-    @property
-    def ep_nodes(self) -> int:
-        """Real nodes one EP group spans (EP groups are consecutive ranks)."""
-        return max(1, -(-self.ep // self.ranks_per_node))
-
-    @classmethod
-    def for_group(cls, layer: "MoELayerSpec", ep_group: dist.ProcessGroup, config: MoEComm) -> "RunPlan":
-        """The plan as far as a process that builds a backend can see it: its EP group, its
-        device, torchrun's LOCAL_WORLD_SIZE and its environment (what NVSHMEM will read)."""
-        ep = dist.get_world_size(ep_group)
-        world = dist.get_world_size() if dist.is_initialized() else ep
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        device = gpus.this_machine()
-        return cls(
-            options=config,
-            device="cuda" if device else "cpu",
-            ep=ep,
-            ranks_per_node=per_node,
-            nodes=max(1, world // per_node),
-            num_experts=layer.num_experts,
-            top_k=layer.top_k,
-            hidden=layer.hidden,
-            score_before_experts=layer.score_before_experts,
-            gpu=device[0] if device else "",
-            gpu_sms=device[1] if device else 0,
-            launch_env=dict(os.environ),
-            launch_env_source="this process's environment",
-        )
+    hierarchical: bool
+    """Dispatch sends a token over the network once per node and over NVLink once per rank that
+    holds one of its experts, and combine reduces on the way back. False: one row per (token,
+    expert) pick, as an all-to-all sends them."""
+    transport: str
+    """What moves the rows, at its measured cost: "NCCL" (the host-driven all-to-all, at NCCL's
+    measured rates), or kernels on the backend's num_sms SMs: "our kernels" (this project's,
+    from the comm bench) or "DeepEP kernels" (DeepEP v1.2.1's own figure)."""
+    host_syncs_per_dispatch: int
+    """Host round trips a forward dispatch waits for (split sizes, received counts), each at the
+    all-to-all path's measured cost per call."""
+    layout: str
+    """Whose permute to and from the experts' expert-major rows it runs, at its measured cost:
+    "TorchTitan" (_permute / _unpermute), "TorchTitan DeepEP" (its DeepEP path's permute) or
+    "our kernels" (expand / reduce)."""
 
 
 @dataclass
@@ -153,18 +136,57 @@ class CommBackend(ABC):
     backend is a drop-in for TorchTitan's all-to-all in training.
     """
 
+    # What a backend is, asked of its class everywhere else (nothing outside backends/ compares
+    # a backend's name): its abilities here and in `check_run`, the options that identify its
+    # runs, its label, its colour, how it sends, what selective AC keeps, what the scale model
+    # prices.
     name: ClassVar[str]
     cuda_only: ClassVar[bool] = False
-    fp8_dispatch: ClassVar[bool] = False  # takes [moe_comm] dispatch_dtype = "fp8"
+    # [moe_comm] dispatch_dtype values it takes (what dispatch puts on the links).
+    dispatch_dtypes: ClassVar[tuple[str, ...]] = ("bf16",)
     # [moe_comm] overlap values it runs (moe_comm.titan.overlap): "chunked" needs calls that
     # run on a side stream and two dispatches in flight before their combines; "microbatch"
     # calls from two threads, one thread's between two sync points at a time.
     overlap: ClassVar[tuple[str, ...]] = ("none",)
+    # Dispatch sends a token once to each rank that holds one of its experts (and combine
+    # reduces there before sending back); False: once per (token, expert) pick, as TorchTitan's
+    # all-to-all does. Decides how the metrics count the bytes that leave a rank.
+    sends_once_per_rank: ClassVar[bool] = False
+    # The [moe_comm] options that change what it does, so they identify its runs (run names,
+    # W&B, identity.json: moe_comm.metrics.naming). num_sms, where it is one (the backend has an
+    # SM budget), is also in its label in reports (`run_label`) and in the console header.
+    IDENTITY_OPTIONS: ClassVar[tuple[str, ...]] = ()
+    # It holds NVSHMEM symmetric buffers, sized from the recipe (moe_comm.kernels.capacity),
+    # outside torch's allocator: `check` prints them and the planner adds them to the memory.
+    symmetric_heap: ClassVar[bool] = False
+    # The backend the others are compared with (report's "vs" column, the scale model's ratio).
+    baseline: ClassVar[bool] = False
+    # Its colour in every plot (moe_comm.plots); "" picks one from its name.
+    color: ClassVar[str] = ""
+    # What the scale model prices it with; None: not priced (absent from the model's tables).
+    costs: ClassVar[CostTraits | None] = None
     # The [moe_comm] fields that configure a backend (`backend` picks one, `peak_tflops` is MFU's).
     OPTIONS: ClassVar[tuple[str, ...]] = (
         "num_sms", "max_tokens_per_rank", "recv_capacity_factor", "dispatch_dtype", "virtual_node_size",
         "network_sms", "wait_timeout_s",
     )
+
+    @classmethod
+    def label(cls, dispatch_dtype: str = "bf16") -> str:
+        """How tables name it with a dispatch dtype: the name, with the dtype unless bf16."""
+        return cls.name if dispatch_dtype == "bf16" else f"{cls.name}-{dispatch_dtype}"
+
+    @classmethod
+    def run_label(cls, options: Mapping[str, Any]) -> str:
+        """How a report names one of its runs from the run's [moe_comm] options: the name, with
+        the SM budget where it has one ("nvshmem-sm20")."""
+        sms = options.get("num_sms")
+        return f"{cls.name}-sm{sms}" if "num_sms" in cls.IDENTITY_OPTIONS and sms is not None else cls.name
+
+    @classmethod
+    def identity_options(cls, options: MoEComm) -> dict[str, Any]:
+        """The values of its IDENTITY_OPTIONS in `options`, in that order."""
+        return {option: getattr(options, option) for option in cls.IDENTITY_OPTIONS}
 
     @classmethod
     def ignored_options(cls, run: RunPlan) -> dict[str, str]:
@@ -225,7 +247,7 @@ class CommBackend(ABC):
                 "= true) both hide the MoE communication, and their sync points conflict: set "
                 'overlap = "none" or pipeline_parallel_expert_parallel_overlap = false'
             )
-        if o.dispatch_dtype != "bf16" and not cls.fp8_dispatch:
+        if o.dispatch_dtype not in cls.dispatch_dtypes:
             raise RecipeError(
                 f'[moe_comm] dispatch_dtype = "{o.dispatch_dtype}" is the nvshmem backend\'s; backend '
                 f'= "{cls.name}" sends the model\'s rows as they are: set dispatch_dtype = "bf16"'
@@ -285,7 +307,7 @@ class CommBackend(ABC):
         self.ep_group = ep_group
         self.ep_size = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
-        type(self).check_run(RunPlan.for_group(layer, ep_group, config))
+        type(self).check_run(run_plan_for_group(layer, ep_group, config))
         self.num_local_experts = layer.num_experts // self.ep_size
 
     @abstractmethod

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from moe_comm import gpus
-from moe_comm.backends.base import CommBackend, DispatchResult, MoELayerSpec, rows_in_compute_dtype, RunPlan
+from moe_comm.backends.base import CommBackend, CostTraits, DispatchResult, MoELayerSpec, rows_in_compute_dtype
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
+from moe_comm.layout import RunPlan
 
 PIN = "v1.2.1"  # the last DeepEP release with the V1 `Buffer` API that TorchTitan 0.2.2 calls
 # EP group sizes DeepEP v1.2.1 has kernel configurations for (`Buffer.get_dispatch_config` and
@@ -73,6 +74,13 @@ class DeepEPBackend(CommBackend):
     name = "deepep"
     cuda_only = True
     overlap = ("none", "chunked", "microbatch")
+    sends_once_per_rank = True
+    IDENTITY_OPTIONS = ("num_sms",)
+    color = "#2ca02c"
+    # TorchTitan's DeepEP path waits on the host for the received counts (NOTES §7), priced as
+    # the standard path's host round trip per call
+    costs = CostTraits(hierarchical=True, transport="DeepEP kernels", host_syncs_per_dispatch=1,
+                       layout="TorchTitan DeepEP")
 
     @classmethod
     def check_run(cls, run: RunPlan) -> list[str]:

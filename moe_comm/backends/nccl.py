@@ -21,7 +21,8 @@ import torch
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torchtitan.models.moe.utils import _permute, _unpermute
 
-from moe_comm.backends.base import CommBackend, DispatchResult, RunPlan
+from moe_comm.backends.base import CommBackend, CostTraits, DispatchResult
+from moe_comm.layout import RunPlan
 
 
 @dataclass
@@ -40,6 +41,9 @@ class NcclHandle:
 class NcclBackend(CommBackend):
     name = "nccl"
     overlap = ("none", "chunked", "microbatch")
+    baseline = True  # TorchTitan's own path: what the others are measured against
+    color = "#1f77b4"
+    costs = CostTraits(hierarchical=False, transport="NCCL", host_syncs_per_dispatch=1, layout="TorchTitan")
 
     @classmethod
     def ignored_options(cls, run: RunPlan) -> dict[str, str]:

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 from moe_comm.backends.base import (
-    CommBackend, DispatchResult, MoELayerSpec, rows_in_compute_dtype, RunPlan, tokens_per_call,
+    CommBackend, CostTraits, DispatchResult, MoELayerSpec, rows_in_compute_dtype, tokens_per_call,
 )
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 from moe_comm.kernels import call_graphs, capacity, emulated_link
 from moe_comm.kernels.limits import LIMITS
 from moe_comm.kernels.runtime import NvshmemRuntime, RuntimeRequest, load_library
+from moe_comm.layout import RunPlan
 
 
 @dataclass
@@ -48,8 +49,13 @@ def token_group_alignment() -> int:
 class NvshmemBackend(CommBackend):
     name = "nvshmem"
     cuda_only = True
-    fp8_dispatch = True
+    dispatch_dtypes = ("bf16", "fp8")
     overlap = ("none", "chunked", "microbatch")
+    sends_once_per_rank = True
+    IDENTITY_OPTIONS = ("num_sms", "dispatch_dtype", "virtual_node_size", "network_sms")
+    symmetric_heap = True
+    color = "#d62728"
+    costs = CostTraits(hierarchical=True, transport="our kernels", host_syncs_per_dispatch=0, layout="our kernels")
     # What the kernels run (csrc/common/limits.h, read by moe_comm.kernels.limits).
     max_ranks = LIMITS.max_ranks  # ranks in one EP group
     max_ranks_per_node = LIMITS.max_ranks_per_node  # EP ranks per (virtual) node

@@ -33,7 +33,7 @@ class JobSpec:
     cluster: Cluster
     job_name: str
     """[cluster] job_name, or the run's name from its identity (moe_comm.metrics.naming)."""
-    backend: str = "nccl"
+    backend: str  # [moe_comm] backend, overrides applied
     dump_folder: str = "./outputs"
     """The recipe's [job] dump_folder (or --job.dump_folder): the base. The job dumps into
     {dump_folder}/{job_name}, so two runs of one recipe never share checkpoints or metrics while

@@ -224,23 +224,16 @@ class _Graphed(torch.autograd.Function):
         return (None, None) + AUTOGRAD[ctx.op_name][1](ctx, *grads)
 
 
-def _ops():
-    from moe_comm.kernels import ops
-
-    return ops
-
-
-# The ops a layer graphs, and their autograd (moe_comm.kernels.ops), by name; looked up at call
-# time because the library is loaded when the backend starts.
+# The ops a layer graphs, by name; looked up at call time because the library is loaded when the
+# backend starts.
 OPS = {
     "dispatch": lambda: torch.ops.moe_comm.dispatch.default,
     "combine": lambda: torch.ops.moe_comm.combine.default,
     "combine_backward": lambda: torch.ops.moe_comm.combine_backward.default,
 }
-AUTOGRAD = {
-    "dispatch": (lambda *a: _ops()._dispatch_setup(*a), lambda *a: _ops()._dispatch_backward(*a)),
-    "combine": (lambda *a: _ops()._combine_setup(*a), lambda *a: _ops()._combine_backward(*a)),
-}
+# Their autograd, (setup_context, backward) by name: moe_comm.kernels.ops registers its own here when
+# it registers them with torch (it imports this module, so this one cannot import it).
+AUTOGRAD: dict[str, tuple[Callable, Callable]] = {}
 
 
 def op_itself_because() -> str:

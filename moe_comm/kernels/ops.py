@@ -84,3 +84,5 @@ def _combine_backward(ctx, grad_out):
 
 torch.library.register_autograd("moe_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
 torch.library.register_autograd("moe_comm::combine", _combine_backward, setup_context=_combine_setup)
+# the same autograd for calls replayed from a layer's CUDA graphs
+call_graphs.AUTOGRAD.update(dispatch=(_dispatch_setup, _dispatch_backward), combine=(_combine_setup, _combine_backward))

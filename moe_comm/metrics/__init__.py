@@ -5,8 +5,9 @@
   MetricsProcessor plus the comm breakdown, the right MFU peak, a JSONL file and W&B naming.
 - `keys` names every metric this package adds; `report` and `dashboard` read them from there.
 
-The torch/TorchTitan parts load on first use, so `python -m moe_comm report` and `dashboard`,
-which only need `keys`, start without importing torch.
+The torch/TorchTitan parts load on first use, so `python -m moe_comm dashboard`, which only
+needs `keys` and `naming`, starts without importing torch (`report` asks the backend classes
+for their labels and colours, which does).
 """
 
 import importlib

@@ -46,11 +46,6 @@ from moe_comm import console
 from moe_comm.backends.base import DispatchResult
 from moe_comm.metrics import keys, settle
 
-# Backends that send a token once per destination rank (and combine there before sending back),
-# rather than once per (token, expert) pair as TorchTitan's all-to-all does. Decides how the
-# bytes that leave a rank are counted from the routing.
-SENDS_ONCE_PER_RANK = frozenset({"nvshmem", "deepep"})
-
 # Unread intervals kept per layer (4 per step; a log line reads them all).
 MAX_PENDING_INTERVALS = 4096
 
@@ -255,7 +250,8 @@ class InstrumentedBackend:
         self.ep_size = backend.ep_size
         self.ep_rank = backend.ep_rank
         self.num_local_experts = backend.num_local_experts
-        self.sends_once_per_rank = backend.name in SENDS_ONCE_PER_RANK
+        # how the bytes that leave a rank are counted from the routing (the backend class says)
+        self.sends_once_per_rank = backend.sends_once_per_rank
         self.stats = LayerCommStats(backend.layer.num_experts)
         # rows that left in the last dispatch; combine sends the same rows back
         self._last_rows: torch.Tensor | None = None

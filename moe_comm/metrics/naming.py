@@ -1,8 +1,8 @@
 """Who a run is: its identity, and the names derived from it everywhere it shows up.
 
 A run's identity is the recipe plus everything that changes its results: the backend and the
-options that change what it does (SM budget, dispatch dtype, virtual nodes), the nodes and
-ranks, the parallel degrees, the batch, the parameter dtype, the converters. From it:
+options that change what it does (its class's IDENTITY_OPTIONS: SM budget, dispatch dtype,
+virtual nodes), the overlap, the nodes and ranks, the parallel degrees, the batch, the parameter dtype, the converters. From it:
   - the Slurm job name and dump folder (`submit`: {dump_folder}/{name}), so two experiments
     from one recipe never share checkpoints or metrics, while a requeue finds its own;
   - the W&B group (the setting: everything but the backend, so backends line up side by side)
@@ -52,14 +52,12 @@ def backend_options(config: MoEComm) -> dict[str, Any]:
 
 def run_identity(job_config, nodes: int, procs_per_node: int) -> dict[str, Any]:
     """Everything that makes two runs of a recipe comparable, or not: see the module doc."""
+    from moe_comm.backends import backend_class  # here: `dashboard` imports this module without torch
+
     config = moe_comm_config(job_config)
     p, t = job_config.parallelism, job_config.training
-    backend: dict[str, Any] = {"backend": config.backend}
-    if config.backend != "nccl":  # the nccl path has no SM budget: TorchTitan's all-to-all
-        backend["num_sms"] = config.num_sms
-    if config.backend == "nvshmem":
-        backend.update(dispatch_dtype=config.dispatch_dtype, virtual_node_size=config.virtual_node_size,
-                       network_sms=config.network_sms)
+    # the options that change what this backend does (its class says which)
+    backend: dict[str, Any] = {"backend": config.backend, **backend_class(config.backend).identity_options(config)}
     if config.overlap != "none":  # absent when off, so runs from before the field keep their identity
         backend["overlap"] = config.overlap
     world = nodes * procs_per_node

@@ -10,18 +10,7 @@ peak follows the recipe's `[model] converters`, and a GPU missing from the table
 import math
 from dataclasses import dataclass
 
-# Dense (no sparsity) tensor-core peaks in TFLOPS, from NVIDIA's datasheets. Matched by
-# substring of torch.cuda.get_device_name(); the first match wins, so longer names come first
-# ("GB200" contains "B200", "H100 NVL" contains "H100").
-_DENSE_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("GB200", {"bf16": 2500.0, "fp8": 5000.0}),
-    ("B200", {"bf16": 2250.0, "fp8": 4500.0}),
-    ("H200", {"bf16": 989.0, "fp8": 1979.0}),
-    ("H100 NVL", {"bf16": 835.0, "fp8": 1671.0}),
-    ("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}),
-    ("H100", {"bf16": 989.0, "fp8": 1979.0}),
-    ("A100", {"bf16": 312.0}),
-)
+from moe_comm import gpus
 
 # TorchTitan 0.2.2 converter names (torchtitan/components/quantization) whose matmuls run in
 # 8-bit: "quantize.linear.float8", "quantize.grouped_mm.float8", "quantize.linear.mx",
@@ -54,10 +43,12 @@ def low_precision_converters(converters: list[str]) -> list[str]:
 
 
 def table_peaks(device_name: str) -> dict[str, float] | None:
-    for marker, peaks in _DENSE_PEAK_TFLOPS:
-        if marker in device_name:
-            return peaks
-    return None
+    """The dense peaks in TFLOPS ("bf16", and "fp8" where known) of the GPU `device_name` names
+    (moe_comm.gpus: NVIDIA's datasheets); None for a GPU the table does not know."""
+    gpu = gpus.lookup(device_name, "bf16_tflops")
+    if gpu is None:
+        return None
+    return {"bf16": gpu.bf16_tflops} | ({"fp8": gpu.fp8_tflops} if gpu.fp8_tflops is not None else {})
 
 
 def resolve_peak(device_name: str, converters: list[str], override_tflops: float = 0.0) -> Peak:

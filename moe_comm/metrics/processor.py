@@ -37,10 +37,11 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import Color, NoColor
 
 from moe_comm import console
+from moe_comm.backends import backend_class
 from moe_comm.kernels import call_graphs, emulated_link
 from moe_comm.metrics import keys, naming
 from moe_comm.metrics.expert_counts import ExpertCountLog
-from moe_comm.metrics.instrumented import instrumented_backends, SENDS_ONCE_PER_RANK, summarize
+from moe_comm.metrics.instrumented import instrumented_backends, summarize
 from moe_comm.metrics.peaks import resolve_peak
 from moe_comm.metrics.pipeline import PipelineStages
 from moe_comm.metrics.step_line import format_duration, StepLine
@@ -127,7 +128,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
             keys.WORLD_SIZE: parallel_dims.world_size,
             keys.LOCAL_BATCH: job_config.training.local_batch_size,
             keys.SEQ_LEN: job_config.training.seq_len,
-            keys.SENDS_PER: "rank" if self.moe_comm.backend in SENDS_ONCE_PER_RANK else "expert",
+            keys.SENDS_PER: "rank" if backend_class(self.moe_comm.backend).sends_once_per_rank else "expert",
         }
         # a benchmark's emulated network link: the nvshmem backend runs one at EP 1 (and refuses
         # one at EP > 1); another backend ignores the setting, which the header says
@@ -231,7 +232,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
             if degree > 1
         ) or "one rank"
         backend = self.moe_comm.backend
-        if backend != "nccl":
+        if "num_sms" in backend_class(backend).IDENTITY_OPTIONS:  # it has an SM budget
             backend += f" ({self.moe_comm.num_sms} SMs)"
         device = self.device_memory_monitor.device_name
         run = (

@@ -7,6 +7,8 @@ read figures sit at the bottom of the package."""
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_comm import gpus
+
 REPO = Path(__file__).resolve().parents[2]
 # The one folder the model reads under results/: its measured inputs, each described (what, machine,
 # date, kernels' commit, command) in its MANIFEST.json. The rest of results/ is the archive.
@@ -22,13 +24,13 @@ class Assumption:
     source: str
 
 
-# Datasheet and public figures (read, not measured here).
+# Datasheet and public figures (read, not measured here); the GPUs' own from moe_comm.gpus.
 READ = {
-    "nvlink_gbps.H200": Assumption("NVLink per GPU, per direction, H200/H100", 450.0, "GB/s",
+    "nvlink_gbps.H200": Assumption("NVLink per GPU, per direction, H200/H100", gpus.model("H200").nvlink_gbps, "GB/s",
                                    "NVIDIA H200 datasheet (NVLink 900 GB/s bidirectional)"),
-    "nvlink_gbps.B200": Assumption("NVLink per GPU, per direction, B200", 900.0, "GB/s",
+    "nvlink_gbps.B200": Assumption("NVLink per GPU, per direction, B200", gpus.model("B200").nvlink_gbps, "GB/s",
                                    "NVIDIA B200 datasheet (NVLink 5, 1.8 TB/s bidirectional); issue 12"),
-    "hbm_tbs.H200": Assumption("HBM bandwidth, H200", 4.8, "TB/s", "NVIDIA H200 datasheet"),
+    "hbm_tbs.H200": Assumption("HBM bandwidth, H200", gpus.model("H200").hbm_tbs, "TB/s", "NVIDIA H200 datasheet"),
     # DeepEP's own kernels have not been run into results/ yet (the two-GPU issue runs them in the
     # benchmark itself); until then the model prices them from the field notes' record of
     # DeepEP v1.2.1's tests/test_intranode.py on this project's 2xH200 machine.
@@ -38,8 +40,8 @@ READ = {
                                      "results/ figure"),
     "deepep_us.combine": Assumption("DeepEP v1.2.1 intranode combine, same run", 393.0, "us",
                                     "NOTES.md section 4, as above"),
-    "hbm_tbs.H100": Assumption("HBM bandwidth, H100 SXM", 3.35, "TB/s", "NVIDIA H100 datasheet"),
-    "hbm_tbs.B200": Assumption("HBM bandwidth, B200", 8.0, "TB/s", "NVIDIA B200 datasheet"),
+    "hbm_tbs.H100": Assumption("HBM bandwidth, H100 SXM", gpus.model("H100").hbm_tbs, "TB/s", "NVIDIA H100 datasheet"),
+    "hbm_tbs.B200": Assumption("HBM bandwidth, B200", gpus.model("B200").hbm_tbs, "TB/s", "NVIDIA B200 datasheet"),
     "nic_gbps": Assumption("network per GPU (one CX7 400 Gb/s NIC per GPU)", 50.0, "GB/s",
                            "issue 12 (8 x 400 Gb/s CX7 per Nebius B200 node)"),
     "network_efficiency": Assumption("achieved share of the NIC line rate, every backend", 43.0 / 50.0, "",

@@ -26,11 +26,16 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from moe_comm.backends.nccl import NcclBackend
+from moe_comm.backends.nvshmem import NvshmemBackend
 from moe_comm.predict import layer_compute
 from moe_comm.predict.assumptions import MODEL_INPUTS, READ, REPO, Assumption
 from moe_comm.predict.routing_plan import routing_statistics, row_bytes
 
 COMM_BENCH = "comm_bench_h200x2.json"
+# The comm bench's rows (experiments/bench_comm.py) carry the backend that ran them: those of our
+# kernels' backend calibrate the kernels, those of TorchTitan's all-to-all path that path.
+OUR_KERNELS_ROWS, ALL_TO_ALL_ROWS = NvshmemBackend.name, NcclBackend.name
 # The SM counts whose comm-bench rows calibrate the kernels' costs; the others are held out.
 CALIBRATION_SMS = (20, 64)
 # The profiled training run that calibrates the GPU's idle share (current kernels), by sweep and run name.
@@ -107,11 +112,11 @@ def _fit_kernels(bench: dict, p2p: float) -> tuple[dict, dict, float]:
     other, so the fits alternate until they settle."""
     T, K = BENCH_TOKENS, BENCH_TOP_K
     rb = row_bytes(BENCH_HIDDEN)
-    dec = _one(bench, backend="nvshmem", shape="decode_random", num_sms=CALIBRATION_SMS[0])
+    dec = _one(bench, backend=OUR_KERNELS_ROWS, shape="decode_random", num_sms=CALIBRATION_SMS[0])
     floor, ops, layout = 0.0, {}, {}
     for _ in range(4):
         for kernel in ("expand", "reduce"):
-            t = {shape: sum(_one(bench, backend="nvshmem", shape=f"dsv3_{shape}", num_sms=s)["kernel_us"][f"{kernel}_kernel"]
+            t = {shape: sum(_one(bench, backend=OUR_KERNELS_ROWS, shape=f"dsv3_{shape}", num_sms=s)["kernel_us"][f"{kernel}_kernel"]
                             for s in CALIBRATION_SMS) / len(CALIBRATION_SMS) - floor
                  for shape in ("random", "balanced")}
             per_slot = (t["random"] - t["balanced"]) / (_slots("random") - _slots("balanced"))
@@ -120,7 +125,7 @@ def _fit_kernels(bench: dict, p2p: float) -> tuple[dict, dict, float]:
             pts = []
             for sms in CALIBRATION_SMS:
                 for shape in ("dsv3_random", "dsv3_balanced"):
-                    r = _one(bench, backend="nvshmem", shape=shape, num_sms=sms)
+                    r = _one(bench, backend=OUR_KERNELS_ROWS, shape=shape, num_sms=sms)
                     pts.append((T / sms, r["link_rows_per_rank"] * rb / 1e3, r[f"transport_{op}_us"] - floor))
             per_token_sm, us_per_kb = _least_squares_2(pts)
             ops[op] = OpCost(min(1.0, 1 / (us_per_kb * p2p)), per_token_sm)
@@ -137,7 +142,7 @@ def _fit_nccl_forward(bench: dict) -> tuple[float, float]:
     rate = READ["nccl_nvlink_gbps_h200"].value
     pts = []
     for shape in ("dsv3_random", "decode_random"):
-        r = _one(bench, backend="nccl", shape=shape)
+        r = _one(bench, backend=ALL_TO_ALL_ROWS, shape=shape)
         pts.append((r["tokens"] * r["top_k"], r["round_trip_us"] - 2 * r["link_bytes_per_rank"] / (rate * 1e3)))
     (x1, y1), (x2, y2) = pts
     per_row = (y1 - y2) / (x1 - x2)
@@ -147,7 +152,7 @@ def _fit_nccl_forward(bench: dict) -> tuple[float, float]:
 def _flavor(name: str):
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
-    from moe_comm.titan import flavors
+    from moe_comm.layout import flavors
 
     flavors.register()
     return deepseekv3_args[name]
@@ -179,7 +184,7 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
     for kernel in ("expand", "reduce"):
         A.append(Assumption(f"{kernel} kernel per expert row (H200, 7168 bf16)", layout[kernel][0],
                             f"us, + {layout[kernel][1]:.5f} us per slot", f"{bench_src}: nvshmem dsv3 random vs balanced"))
-    rnd = _one(bench, backend="nvshmem", shape="dsv3_random", num_sms=CALIBRATION_SMS[0])
+    rnd = _one(bench, backend=OUR_KERNELS_ROWS, shape="dsv3_random", num_sms=CALIBRATION_SMS[0])
     expand_bytes = (BENCH_TOKENS * BENCH_TOP_K + _slots("random")) * BENCH_HIDDEN * 2
     layout_eff = expand_bytes / (rnd["kernel_us"]["expand_kernel"] * 1e-6) / hbm
     A.append(Assumption("share of HBM bandwidth the layout kernels reach (the optimizer step too)", layout_eff, "",
@@ -187,7 +192,7 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
 
     ref = {op: READ[f"deepep_us.{op}"].value for op in ("dispatch", "combine")}
     deepep_sms = 24
-    deepep_rows = _one(bench, backend="nvshmem", shape="dsv3_random", num_sms=deepep_sms)["link_rows_per_rank"]
+    deepep_rows = _one(bench, backend=OUR_KERNELS_ROWS, shape="dsv3_random", num_sms=deepep_sms)["link_rows_per_rank"]
     deepep_ops = {}
     for op in ("dispatch", "combine"):
         link = deepep_rows * row_bytes(BENCH_HIDDEN) / (ops[op].link_efficiency * p2p * 1e3)

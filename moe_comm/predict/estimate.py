@@ -38,15 +38,14 @@ Memory (per GPU, bytes) is written down term by term so it can be argued with:
     backward; the embedding is not cast, and under AC the experts' casts are recomputed), and the
     residual stream stays fp32 (`_autocast_extra_bytes_per_token`). With TP or PP but no
     fully_shard TorchTitan turns mixed precision off: activations in fp32.
-Checked against the 2xH200 runs in results/h200x2 (results/scale_model.md, memory rows): the
-peak in use within 3% for the bf16 runs (16B at 1 x 4096 full AC: 119.5 GiB in use, 127.5
-reserved; the 671B-shaped layers at 4 x 4096 without AC: 102.9 in use, 137.4 reserved), and the
-one-GPU recipe's runs in results/h200x1 (world 1, autocast; AC none/selective/full, local batch
-1 and 2: 86.0-103.3 GiB in use) within 6%.
+Checked against every measured memory figure, the 2xH200 runs (results/h200x2) and the one-GPU
+recipe's (results/h200x1: world 1, autocast, each AC mode): results/scale_model.md's memory rows
+give the estimate's error on each.
 """
 
 from dataclasses import dataclass
 
+from moe_comm.layout import Layout
 from moe_comm.predict import schedule
 from moe_comm.predict.schedule import Pipeline
 
@@ -64,6 +63,12 @@ class ParamCounts:
     def flops_per_token(self, args, seq_len: int) -> int:
         head_dims = args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
         return 6 * (self.active - self.embedding) + 6 * args.n_layers * args.n_heads * head_dims * seq_len
+
+
+def expert_params(a, experts):
+    """Parameters of `experts` experts of flavor `a`, each w1 and w3 (dim -> moe_inter_dim) and w2
+    (back): a layer's routed or shared experts, or a rank's share of them (a fraction is kept)."""
+    return 3 * experts * a.dim * a.moe_inter_dim
 
 
 def _attention_params(a) -> int:
@@ -85,8 +90,8 @@ def count_params(a) -> ParamCounts:
     output = a.dim * a.vocab_size + a.dim  # output projection + final norm
     block_common = _attention_params(a) + 2 * a.dim  # attention + attention_norm + ffn_norm
     dense_block = block_common + 3 * a.dim * a.inter_dim
-    routed = 3 * m.num_experts * a.dim * a.moe_inter_dim
-    shared = 3 * a.dim * a.moe_inter_dim * m.num_shared_experts
+    routed = expert_params(a, m.num_experts)
+    shared = expert_params(a, m.num_shared_experts)
     router = a.dim * m.num_experts + (m.num_experts if m.gate_bias else 0)
     moe_block = block_common + routed + shared + router
     n_moe = a.n_layers - a.n_dense_layers
@@ -99,26 +104,6 @@ def count_params(a) -> ParamCounts:
         routed_experts=n_moe * routed,
         per_block_max=max(dense_block if a.n_dense_layers else 0, moe_block if n_moe else 0),
     )
-
-
-@dataclass
-class Layout:
-    """The resolved parallel layout (TorchTitan's ParallelDims degrees) and its process count."""
-
-    world: int
-    nodes: int
-    procs_per_node: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-
-    @property
-    def efsdp(self) -> int:
-        return self.dp_shard * self.cp * self.tp // (self.etp * self.ep)
 
 
 def _act_bytes_per_token(a, moe_layer: bool) -> float:
@@ -227,7 +212,7 @@ def _block_unit(a, layout: Layout, layer: int) -> float:
     ep, the rest whole (FSDP all-gathers it), both over tp."""
     if layer < a.n_dense_layers:
         return _dense_block_params(a) / layout.tp
-    routed = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim
+    routed = expert_params(a, a.moe_args.num_experts)
     return (_moe_block_params(a) - routed + routed / max(layout.ep, 1)) / layout.tp
 
 
@@ -237,8 +222,8 @@ def _dense_block_params(a) -> int:
 
 def _moe_block_params(a) -> int:
     m = a.moe_args
-    routed = 3 * m.num_experts * a.dim * a.moe_inter_dim
-    shared = 3 * a.dim * a.moe_inter_dim * m.num_shared_experts
+    routed = expert_params(a, m.num_experts)
+    shared = expert_params(a, m.num_shared_experts)
     router = a.dim * m.num_experts + (m.num_experts if m.gate_bias else 0)
     return _attention_params(a) + 2 * a.dim + routed + shared + router
 
@@ -289,7 +274,7 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
             rank: PipelineRank | None) -> MemoryEstimate:
     p = count_params(a)
     shard = layout.dp_shard * layout.cp * layout.tp * layout.pp
-    routed_per_block = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim
+    routed_per_block = expert_params(a, a.moe_args.num_experts)
     # a block's share on this rank: the routed experts split over ep, the rest whole (FSDP
     # all-gathers it), both over tp
     if p.per_block_max > routed_per_block and a.n_layers > a.n_dense_layers:
@@ -325,7 +310,7 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
     if not sharded:  # no fully_shard: no unsharded copies to gather, no gradient reduce
         fsdp_working_set = grad_reduce = 0.0
         if amp:  # autocast's bf16 weight copies (the experts' only without AC: under AC they are recomputed)
-            routed = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim * sum(1 for i in layers if i >= a.n_dense_layers)
+            routed = expert_params(a, a.moe_args.num_experts) * sum(1 for i in layers if i >= a.n_dense_layers)
             weight_copies = 2 * (p.total - p.embedding - (routed if ac_mode != "none" else 0))
             layer_input = 4  # the residual stream is fp32
     per_token = [act_scale * (_act_bytes_per_token(a, i >= a.n_dense_layers)
@@ -391,10 +376,10 @@ def chunked_expert_bytes(a, layout: Layout) -> tuple[float, float]:
     so autograd adds the second chunk's weight gradient to the first's: read two, write one, in
     the gradient's dtype - bf16 under fully_shard's mixed precision, fp32 otherwise. Under
     autocast (one GPU) each call also casts the fp32 weights to bf16 again (read 4 + write 2 B)
-    and its gradient back (6 B). Measured on one H200 (results/h200x1/README.md, run 20, the
-    one-GPU recipe's profiled step, chunked against none): +21 ms of fp32 adds, casts and copies
-    over its 2 MoE layers of 32 experts; these bytes take 20 ms at the model's HBM rate."""
-    local = a.moe_args.num_experts / layout.ep * 3 * a.dim * a.moe_inter_dim
+    and its gradient back (6 B). Measured on one H200 (results/h200x1/README.md, run 20: the
+    one-GPU recipe's profiled step, chunked against none), which records what these adds, casts
+    and copies took and what these bytes take at the model's HBM rate."""
+    local = expert_params(a, a.moe_args.num_experts / layout.ep)
     if fsdp_applied(layout):
         return 0.0, local * 3 * 2
     if autocast(layout):

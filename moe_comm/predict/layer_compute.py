@@ -42,8 +42,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_comm.metrics.peaks import table_peaks
-from moe_comm.predict.assumptions import MODEL_INPUTS, READ, REPO, Assumption
+from moe_comm import gpus
+from moe_comm.predict.assumptions import MODEL_INPUTS, REPO, Assumption
 from moe_comm.predict.routing_plan import routing_statistics
 
 BENCH = MODEL_INPUTS / "layer_bench_h200x1.json"
@@ -96,12 +96,12 @@ class Peaks:
 
 
 def peaks(gpu: str) -> Peaks:
-    """Datasheet peaks of a GPU by model name (H100, H200, B200, or a device name)."""
-    name = next((g for g in ("B200", "H200", "H100") if g in gpu), None)
-    dense = table_peaks(f"NVIDIA {name}") if name else None
-    if dense is None or "fp8" not in dense or f"hbm_tbs.{name}" not in READ:
+    """Datasheet peaks of a GPU by model name (H100, H200, B200, or a device name): moe_comm.gpus'
+    first GPU that `gpu` names and whose HBM rate is known."""
+    known = gpus.lookup(gpu, "hbm_tbs")
+    if known is None or known.fp8_tflops is None:
         raise ValueError(f"GPU {gpu!r}: no datasheet peaks for the layer model; use one of H100, H200, B200")
-    return Peaks(name, dense["bf16"], dense["fp8"], READ[f"hbm_tbs.{name}"].value)
+    return Peaks(known.model, known.bf16_tflops, known.fp8_tflops, known.hbm_tbs)
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def _ms(p: dict, phase: str) -> float:
 def _flavor_case_args(case: dict):
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
-    from moe_comm.titan import flavors
+    from moe_comm.layout import flavors
 
     flavors.register()
     return deepseekv3_args[case["flavor"]]

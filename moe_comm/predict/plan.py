@@ -14,11 +14,13 @@ The search space (TorchTitan 0.2.2 with our EP hook, which takes no TP; no CP, n
     recipe's own), which sets the EP / FSDP split of the experts (efsdp = dp_shard / ep);
   * the MoE overlap: none, chunked ([moe_comm] overlap), and DualPipeV's own (with AC none, as
     TorchTitan requires).
-A layout is kept when the memory estimate (moe_comm.predict.estimate, the pipeline rank that
-holds the most) plus the nvshmem backends' symmetric heap leaves the headroom asked for: 15% by
+A layout is kept for a backend when its `check_run` accepts it (moe_comm.predict.scale_model's
+refusal) and the memory estimate (moe_comm.predict.estimate, the pipeline rank that holds the
+most) plus the backend's symmetric heap, where it has one, leaves the headroom asked for: 15% by
 default, issue 23's bound (memory in use at most 85% of the GPU), wider than `check`'s 10% fit
 verdict because the estimate's pipeline terms have not met a multi-node measurement yet.
-Backends: nccl, deepep, nvshmem (bf16 dispatch), nvshmem-fp8.
+Backends: every one the scale model prices, with each dispatch dtype it takes
+(moe_comm.predict.scale_model.choices).
 Every figure is a model prediction, with the model's assumptions (results/scale_model.md).
 """
 
@@ -26,7 +28,9 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from moe_comm.metrics.peaks import table_peaks
+from moe_comm import gpus
+from moe_comm.backends import backend_class
+from moe_comm import layout as run_layout
 from moe_comm.predict import estimate, schedule, scale_model
 from moe_comm.predict.calibration import Calibration
 
@@ -69,12 +73,16 @@ class Layout:
 
 @dataclass
 class Row:
-    backend: str
+    choice: scale_model.Choice
     layout: Layout
     prediction: scale_model.StepPrediction
-    memory_gib: float  # in use at the peak, plus the nvshmem symmetric heap
+    memory_gib: float  # in use at the peak, plus the backend's symmetric heap
     memory_limit_gib: float
     overrides: list[str]
+
+    @property
+    def label(self) -> str:
+        return self.choice.label
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -101,7 +109,7 @@ class Request:
     recv_capacity_factor: float
     recipe_values: dict  # the recipe's own choices, to write only the overrides that differ
     keep: dict = field(default_factory=dict)
-    backends: tuple = scale_model.BACKENDS
+    backends: tuple = field(default_factory=lambda: tuple(scale_model.choices()))  # of scale_model.Choice
     global_tokens: tuple[float, float] = (0.0, 0.0)  # 0: BATCH_RANGE x the recipe's
     headroom: float = 0.15
 
@@ -134,6 +142,16 @@ def parse_keep(items: list[str]) -> dict:
             if out[key] < 1:
                 raise PlanError(f"--keep {item!r}: {key} must be >= 1")
     return out
+
+
+def backend_choices(labels) -> tuple[scale_model.Choice, ...]:
+    """The scale model's choices named by `labels` (--backend: a class's label, with the dispatch
+    dtype unless bf16); every one when `labels` is empty."""
+    known = {c.label: c for c in scale_model.choices()}
+    for label in labels:
+        if label not in known:
+            raise PlanError(f"--backend {label!r}: choose from {list(known)}")
+    return tuple(known[label] for label in labels) if labels else tuple(known.values())
 
 
 def _divisors(n: int) -> list[int]:
@@ -208,14 +226,14 @@ def _kept(lay: Layout, keep: dict) -> bool:
 def _workload(req: Request, lay: Layout) -> scale_model.Workload:
     world = req.nodes * req.gpus_per_node
     dp = world // lay.pp
-    layout = estimate.Layout(world, req.nodes, req.gpus_per_node, 1, dp, 1, 1, lay.pp, lay.ep, 1)
+    layout = run_layout.Layout(world, req.nodes, req.gpus_per_node, 1, dp, 1, 1, lay.pp, lay.ep, 1)
     return replace(req.base, layout=layout, local_batch=lay.local_batch, microbatch=lay.microbatch,
                    ac_mode=lay.ac, pp_schedule=lay.schedule, layers_per_stage=lay.layers_per_stage,
                    overlap=lay.overlap)
 
 
 def _heap_gib(req: Request, w: scale_model.Workload) -> float:
-    """The nvshmem backends' symmetric heap (outside torch's allocator) for this layout."""
+    """The symmetric heap (outside torch's allocator) a backend that has one holds at this layout."""
     from moe_comm.kernels import capacity
 
     m = w.args.moe_args
@@ -224,21 +242,19 @@ def _heap_gib(req: Request, w: scale_model.Workload) -> float:
     return s.symmetric_bytes() / estimate.GiB
 
 
-def overrides(req: Request, lay: Layout, backend: str) -> list[str]:
+def overrides(req: Request, lay: Layout, choice: scale_model.Choice) -> list[str]:
     """The command-line overrides that turn the recipe into this row (only what differs)."""
     r = req.recipe_values
-    name = "nvshmem" if backend.startswith("nvshmem") else backend
-    dtype = "fp8" if backend == "nvshmem-fp8" else "bf16"
     want = [
         ("--cluster.nodes", req.nodes, r["nodes"]),
         ("--parallelism.pipeline_parallel_degree", lay.pp, r["pp"]),
         ("--parallelism.expert_parallel_degree", lay.ep, r["ep"]),
         ("--training.local_batch_size", lay.local_batch, r["local_batch"]),
         ("--activation_checkpoint.mode", lay.ac, r["ac"]),
-        ("--moe_comm.backend", name, None),  # always: the row is a backend's
+        ("--moe_comm.backend", choice.backend, None),  # always: the row is a backend's
     ]
-    if name == "nvshmem":
-        want.append(("--moe_comm.dispatch_dtype", dtype, r["dispatch_dtype"]))
+    if len(backend_class(choice.backend).dispatch_dtypes) > 1:  # it reads dispatch_dtype
+        want.append(("--moe_comm.dispatch_dtype", choice.dispatch_dtype, r["dispatch_dtype"]))
     if lay.pp > 1:
         want += [("--parallelism.pipeline_parallel_schedule", lay.schedule, r["schedule"]),
                  ("--parallelism.pipeline_parallel_microbatch_size", lay.microbatch, r["microbatch"]),
@@ -256,10 +272,8 @@ def overrides(req: Request, lay: Layout, backend: str) -> list[str]:
 
 
 def plan(req: Request, cal: Calibration, top: int = 10) -> dict[str, list[Row]]:
-    """The best `top` feasible layouts per backend, fastest first (PlanError if none fits)."""
-    for b in req.backends:
-        if b not in scale_model.BACKENDS:
-            raise PlanError(f"--backend {b!r}: choose from {list(scale_model.BACKENDS)}")
+    """The best `top` feasible layouts per backend (by its choice's label), fastest first
+    (PlanError if none fits)."""
     world = req.nodes * req.gpus_per_node
     if req.nodes < 1 or req.gpus_per_node < 1:
         raise PlanError(f"a cluster of {req.nodes} node(s) x {req.gpus_per_node} GPU(s) is empty")
@@ -273,7 +287,7 @@ def plan(req: Request, cal: Calibration, top: int = 10) -> dict[str, list[Row]]:
     if not candidates:
         raise PlanError(f"no layout of the search space can run on {req.nodes} x {req.gpus_per_node} {req.gpu} "
                         f"with {kept_text(req)}: the kept values exclude every PP degree, schedule or batch")
-    rows: dict[str, list[Row]] = {b: [] for b in req.backends}
+    rows: dict[str, list[Row]] = {c.label: [] for c in req.backends}
     memo: dict = {}
     least = math.inf
     for lay in candidates:
@@ -284,13 +298,13 @@ def plan(req: Request, cal: Calibration, top: int = 10) -> dict[str, list[Row]]:
                                           w.pp_schedule, w.layers_per_stage)
             memo[key] = (mem.total / estimate.GiB, _heap_gib(req, w))
         in_use, heap = memo[key]
-        for b in req.backends:
-            total = in_use + (heap if b.startswith("nvshmem") else 0.0)
+        for c in req.backends:
+            total = in_use + (heap if backend_class(c.backend).symmetric_heap else 0.0)
             least = min(least, total)
-            if total > limit or not scale_model.runnable(b, w):
+            if total > limit or not scale_model.runnable(c.backend, w, c.dispatch_dtype):
                 continue
-            p = scale_model.predict(b, w, cluster, cal)
-            rows[b].append(Row(b, lay, p, total, limit, overrides(req, lay, b)))
+            p = scale_model.predict(c.backend, w, cluster, cal, c.dispatch_dtype)
+            rows[c.label].append(Row(c, lay, p, total, limit, overrides(req, lay, c)))
     if not any(rows.values()):
         raise PlanError(f"nothing fits on {req.nodes} x {req.gpus_per_node} {req.gpu} ({gpu_mem:.0f} GiB, "
                         f"{req.headroom:.0%} headroom: {limit:.0f} GiB) with {kept_text(req)}: the smallest layout "
@@ -303,10 +317,8 @@ def kept_text(req: Request) -> str:
 
 
 def _gpu_memory_gib(gpu: str) -> float:
-    from moe_comm import gpus
-
     known = gpus.lookup(gpu)
-    if known is None or table_peaks(f"NVIDIA {gpu}") is None:
+    if known is None:
         raise PlanError(f"--gpu {gpu!r}: the plan knows {list(gpus.MODELS)}")
     return known.memory_gib
 

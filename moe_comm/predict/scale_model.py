@@ -17,18 +17,25 @@ It is built from three kinds of numbers, each listed with its source in `Calibra
   * link and peak rates read from datasheets and public measurements (NVLink, CX7 400 Gb/s,
     DeepEP V1's RDMA bandwidth, HBM, dense peaks).
 
-A transfer is one dispatch or one combine of one MoE layer for one microbatch. The SM-driven
-backends (nvshmem, deepep) pay a fixed cost that scales with the tokens they handle per SM of
-their budget, then the slower of their NVLink and network phases (the two are pipelined in
-chunks), then their layout kernels; nccl pays a host sync per forward dispatch, a permute per
-row, and the slower of its NVLink and network bytes at NCCL's rates. TorchTitan 0.2.2 runs
-dispatch and combine on the compute stream, so MoE communication is exposed; FSDP's
-collectives overlap compute except the first all-gather and the last reduce-scatter.
+A transfer is one dispatch or one combine of one MoE layer for one microbatch, priced by what
+the backend's class says of it (its `costs`: moe_comm.backends.base.CostTraits), for each
+dispatch dtype it takes. Kernels on the backend's SMs pay a fixed cost that scales with the
+tokens they handle per SM of their budget, then the slower of their NVLink and network phases
+(the two are pipelined in chunks); NCCL's all-to-all pays the slower of its NVLink and network
+bytes at NCCL's rates; then each pays its host round trips per forward dispatch and its permute
+or layout kernels per expert row. Which backends the model refuses for a workload is what their
+`check_run` refuses before launch. TorchTitan 0.2.2 runs dispatch and combine on the compute
+stream, so MoE communication is exposed; FSDP's collectives overlap compute except the first
+all-gather and the last reduce-scatter.
 """
 
 from dataclasses import dataclass
 
-from moe_comm.metrics.peaks import table_peaks
+from moe_comm import gpus
+from moe_comm.backends import backend_class, names
+from moe_comm.config import MoEComm
+from moe_comm.errors import RecipeError
+from moe_comm.layout import flavor_args, Layout, RunPlan
 from moe_comm.predict import estimate, layer_compute, schedule
 from moe_comm.predict.assumptions import READ, REPO
 from moe_comm.predict.calibration import Calibration
@@ -36,7 +43,27 @@ from moe_comm.predict.estimate import optimizer_bytes
 from moe_comm.predict.routing_plan import PlanStats, row_bytes, routing_statistics
 from moe_comm.predict.schedule import Pipeline
 
-BACKENDS = ("nccl", "deepep", "nvshmem", "nvshmem-fp8")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A backend and what its dispatch puts on the links: what the model prices, one row of its
+    tables (labelled by the class's `label`: its name, and the dtype unless bf16)."""
+
+    backend: str
+    dispatch_dtype: str = "bf16"
+
+    @property
+    def label(self) -> str:
+        return backend_class(self.backend).label(self.dispatch_dtype)
+
+
+def choices() -> list[Choice]:
+    """Every registered backend the model can price (its class has `costs`), with each dispatch
+    dtype it takes: the baseline first, then by name."""
+    priced = [backend_class(n) for n in names() if backend_class(n).costs is not None]
+    priced.sort(key=lambda cls: (not cls.baseline, cls.name))
+    return [Choice(cls.name, dtype) for cls in priced for dtype in cls.dispatch_dtypes]
 
 
 @dataclass(frozen=True)
@@ -50,12 +77,14 @@ class GPUSpec:
 
 
 def gpu_spec(name: str) -> GPUSpec:
-    peaks = table_peaks(f"NVIDIA {name}")
-    if peaks is None or f"hbm_tbs.{name}" not in READ:
+    """The facts of GPU model `name` (moe_comm.gpus) the model prices with."""
+    try:
+        gpu = gpus.model(name)
+    except KeyError:
+        gpu = None
+    if gpu is None or None in (gpu.bf16_tflops, gpu.fp8_tflops, gpu.hbm_tbs, gpu.sms, gpu.nvlink_gbps):
         raise ValueError(f"GPU {name!r} has no scale-model spec; use one of H100, H200, B200")
-    nvlink = READ["nvlink_gbps.B200" if name == "B200" else "nvlink_gbps.H200"].value
-    return GPUSpec(name, peaks["bf16"], peaks["fp8"], READ[f"hbm_tbs.{name}"].value,
-                   148 if name == "B200" else 132, nvlink)
+    return GPUSpec(name, gpu.bf16_tflops, gpu.fp8_tflops, gpu.hbm_tbs, gpu.sms, gpu.nvlink_gbps)
 
 
 @dataclass(frozen=True)
@@ -87,7 +116,7 @@ class Workload:
 
     flavor: str
     args: object
-    layout: estimate.Layout
+    layout: Layout
     local_batch: int
     seq_len: int
     microbatch: int
@@ -139,10 +168,8 @@ def routing_for(config, args) -> str:
 
 
 def workload_from_recipe(r) -> Workload:
-    from moe_comm import recipe as recipe_mod
-
     c = r.config
-    args = recipe_mod.flavor_args(c)
+    args = flavor_args(c)
     return Workload(
         flavor=c.model.flavor, args=args, layout=r.layout, local_batch=c.training.local_batch_size,
         seq_len=c.training.seq_len, microbatch=c.parallelism.pipeline_parallel_microbatch_size,
@@ -176,14 +203,14 @@ def workload_from_spec(spec: dict, cal: Calibration | None = None) -> tuple[Work
         return w, cal and cluster_for(spec["gpu"], r.layout.nodes, r.layout.procs_per_node, cal)
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
-    from moe_comm.titan import flavors
+    from moe_comm.layout import flavors
 
     flavors.register()
     f = spec["workload"]
     nodes, per_node = spec["nodes"], spec["gpus_per_node"]
     world = nodes * per_node
     tp, pp, ep = f.get("tp", 1), f.get("pp", 1), f["ep"]
-    layout = estimate.Layout(world, nodes, per_node, 1, world // (tp * pp), 1, tp, pp, ep, 1)
+    layout = Layout(world, nodes, per_node, 1, world // (tp * pp), 1, tp, pp, ep, 1)
     w = Workload(
         flavor=f["flavor"], args=deepseekv3_args[f["flavor"]], layout=layout, local_batch=f["local_batch"],
         seq_len=f["seq_len"], microbatch=f.get("microbatch", 1), ac_mode=f["ac_mode"],
@@ -269,14 +296,22 @@ def _hbm_scale(cluster: Cluster, hidden: int) -> float:
     return READ["hbm_tbs.H200"].value / cluster.gpu.hbm_tbs * hidden / 7168
 
 
-def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> LayerComm:
-    """The four transfers of one MoE layer for one microbatch on the slowest rank."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r}: choose one of {BACKENDS}")
+def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration,
+               dispatch_dtype: str = "bf16") -> LayerComm:
+    """The four transfers of one MoE layer for one microbatch on the slowest rank, priced by the
+    backend class's cost traits (moe_comm.backends.base.CostTraits)."""
+    if backend not in names():
+        raise ValueError(f"backend {backend!r}: choose one of {list(names())}")
+    cls = backend_class(backend)
+    if cls.costs is None:
+        raise ValueError(f"backend {backend!r} has no cost traits to price it with")
+    if dispatch_dtype not in cls.dispatch_dtypes:
+        raise ValueError(f"backend {backend!r} dispatches {' or '.join(cls.dispatch_dtypes)}, not {dispatch_dtype!r}")
+    costs = cls.costs
     st = _stats(w)
     T = w.tokens_per_call
     hidden = w.args.dim
-    hier = backend != "nccl"
+    hier = costs.hierarchical
     net_rows = T * max(st.max["network_out" if hier else "a2a_network_out"], st.max["network_in" if hier else "a2a_network_in"])
     nvl_rows = T * max(st.max["nvlink_out" if hier else "a2a_nvlink_out"], st.max["nvlink_in" if hier else "a2a_nvlink_in"])
     net_in = T * st.max["network_in"]
@@ -287,35 +322,43 @@ def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration) ->
     transfers = []
     hbm = _hbm_scale(cluster, hidden)
     for name, kind, forward in spec:
-        fp8 = backend == "nvshmem-fp8" and name == "dispatch"
+        fp8 = dispatch_dtype == "fp8" and name == "dispatch"
         rb = row_bytes(hidden, "fp8" if fp8 else "bf16", metadata=hier)
         t = Transfer(name, kind, forward, net_rows, nvl_rows, rb)
-        if backend == "nccl":
-            t.host_us = cal.nccl_call_us if name == "dispatch" else 0.0
-            t.layout_us = (cal.nccl_row_us if forward else cal.nccl_backward_row_us) / 2 * expert_rows * hbm
+        # each host round trip costs what the all-to-all path's costs per call
+        t.host_us = costs.host_syncs_per_dispatch * cal.nccl_call_us if name == "dispatch" else 0.0
+        if costs.transport == "NCCL":
             t.nvlink_us = t.nvlink_bytes / (_nccl_nvlink_gbps(cluster, cal) * 1e3)
-            t.network_us = t.network_bytes / (cluster.network_gbps * 1e3)
-        else:
-            ops = cal.deepep_ops if backend == "deepep" else cal.ops
-            op = ops[kind]
+        else:  # kernels on the backend's SMs, at their measured per-op costs
+            op = _kernel_ops(costs.transport, cal)[kind]
             sms = max(w.num_sms, 1)
             nvl_sms = sms if w.ep_nodes == 1 else sms - (w.network_sms or sms // 2)
             t.fixed_us = cal.kernel_floor_us + op.per_token_sm_us * (T + net_in) / sms
             t.nvlink_us = t.nvlink_bytes / (_sm_link_gbps(cluster, nvl_sms, op.link_efficiency) * 1e3)
-            t.network_us = t.network_bytes / (cluster.network_gbps * 1e3)
-            if backend == "deepep":
-                per_row = READ["deepep_permute_us_per_row" if kind == "dispatch" else "deepep_unpermute_us_per_row"]
-                t.layout_us = per_row.value * expert_rows * hbm
-                # TorchTitan's DeepEP path waits on the host for the received counts (NOTES §7),
-                # assumed to cost what the standard path's host round trip costs per call
-                t.host_us = cal.nccl_call_us if name == "dispatch" else 0.0
-            else:
-                per_row, per_slot = cal.expand if kind == "dispatch" else cal.reduce
-                t.layout_us = (cal.kernel_floor_us + per_row * expert_rows + per_slot * slots) * hbm
-                if fp8:  # the sender quantises its rows: read bf16, write e4m3 + scales
-                    t.layout_us += T * hidden * 3 / (cal.layout_hbm_efficiency * cluster.gpu.hbm_tbs * 1e6)
+        t.network_us = t.network_bytes / (cluster.network_gbps * 1e3)
+        if costs.layout == "TorchTitan":
+            t.layout_us = (cal.nccl_row_us if forward else cal.nccl_backward_row_us) / 2 * expert_rows * hbm
+        elif costs.layout == "TorchTitan DeepEP":
+            per_row = READ["deepep_permute_us_per_row" if kind == "dispatch" else "deepep_unpermute_us_per_row"]
+            t.layout_us = per_row.value * expert_rows * hbm
+        elif costs.layout == "our kernels":
+            per_row, per_slot = cal.expand if kind == "dispatch" else cal.reduce
+            t.layout_us = (cal.kernel_floor_us + per_row * expert_rows + per_slot * slots) * hbm
+        else:
+            raise ValueError(f"backend {backend!r}: no measured cost for layout {costs.layout!r}")
+        if fp8:  # the sender quantises its rows: read bf16, write e4m3 + scales
+            t.layout_us += T * hidden * 3 / (cal.layout_hbm_efficiency * cluster.gpu.hbm_tbs * 1e6)
         transfers.append(t)
-    return LayerComm(backend, w.ep_nodes, w.ranks_per_node, transfers, w.comm_recomputed, st)
+    return LayerComm(cls.label(dispatch_dtype), w.ep_nodes, w.ranks_per_node, transfers, w.comm_recomputed, st)
+
+
+def _kernel_ops(transport: str, cal: Calibration) -> dict:
+    """The measured per-op costs ("dispatch", "combine") of SM-driven kernels."""
+    if transport == "our kernels":
+        return cal.ops
+    if transport == "DeepEP kernels":
+        return cal.deepep_ops
+    raise ValueError(f"no measured cost for transport {transport!r}")
 
 
 # ------------------------------------------------------------------------------- the step
@@ -402,7 +445,7 @@ def _fsdp_ms(w: Workload, cluster: Cluster, cal: Calibration, v: int) -> tuple[f
     last backward, so one chunk's are (1/v of the rank's)."""
     a, lay = w.args, w.layout
     p = estimate.count_params(a)
-    routed = 3 * a.moe_args.num_experts * a.dim * a.moe_inter_dim * (a.n_layers - a.n_dense_layers)
+    routed = estimate.expert_params(a, a.moe_args.num_experts) * (a.n_layers - a.n_dense_layers)
     dense = p.total - routed
     d = lay.dp_shard * lay.cp
     ag_passes = 1 if lay.pp > 1 else 2
@@ -426,7 +469,7 @@ def _pp_rate_gbps(w: Workload, cluster: Cluster, cal: Calibration) -> float:
     return cluster.network_gbps if apart >= cluster.gpus_per_node else _nccl_nvlink_gbps(cluster, cal)
 
 
-def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> StepPrediction:
+def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispatch_dtype: str = "bf16") -> StepPrediction:
     """A step on the busiest pipeline rank, per microbatch split into forward f, input gradient
     bi (with any recompute) and weight gradient bw, which the schedule turns into a bubble
     (moe_comm.predict.schedule); the microbatches' work, the bubble, the optimizer, FSDP's
@@ -443,7 +486,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     if cal.layer_bench is None:
         raise ValueError("the step model prices compute from the layer benchmark (layer_compute.BENCH, "
                          "moe_comm.predict.layer_compute); this calibration has none")
-    comm = layer_comm(backend, w, cluster, cal)
+    comm = layer_comm(backend, w, cluster, cal, dispatch_dtype)
     t_d, t_c, t_cb, t_db = (t.time_us * 1e-6 for t in comm.transfers)
     # the GPU share an overlapped comm kernel takes from the GEMMs beside it (NCCL's channels are
     # assumed to take the same num_sms)
@@ -539,7 +582,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
     flops = p.flops_per_token(a, w.seq_len)
     mfu = 100 * flops * tps / (gpu.bf16_tflops * 1e12)
     return StepPrediction(
-        backend=backend, comm=comm, terms_ms=terms,
+        backend=comm.backend, comm=comm, terms_ms=terms,
         overlapped_ms={"fsdp": fsdp_total_ms - fsdp_exposed_ms, "moe comm": work["hidden"] * m * 1e3},
         step_ms=step_ms, tokens_per_s_per_gpu=tps, mfu=mfu, moe_calls_per_step=work["moe_layers"] * m,
         pipeline=pipe, moe_comm_ms=work["moe_all"] * m * 1e3, peak_tflops=gpu.bf16_tflops,
@@ -549,7 +592,8 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration) -> St
 
 
 def predict_all(w: Workload, cluster: Cluster, cal: Calibration) -> dict[str, StepPrediction]:
-    return {b: predict(b, w, cluster, cal) for b in BACKENDS}
+    """Every choice's prediction, by its label."""
+    return {c.label: predict(c.backend, w, cluster, cal, c.dispatch_dtype) for c in choices()}
 
 
 def bench_round_trip(backend: str, tokens: int, hidden: int, top_k: int, experts: int, routing: str, world: int,
@@ -558,7 +602,7 @@ def bench_round_trip(backend: str, tokens: int, hidden: int, top_k: int, experts
     from torchtitan.models.moe import MoEArgs
 
     args = MoEShape(hidden, MoEArgs(num_experts=experts, top_k=top_k))
-    lay = estimate.Layout(world, 1, world, 1, world, 1, 1, 1, world, 1)
+    lay = Layout(world, 1, world, 1, world, 1, 1, 1, world, 1)
     w = Workload("bench", args, lay, 1, tokens, 1, "none", (), routing, num_sms)
     comm = layer_comm(backend, w, cluster, cal)
     d, c = comm.transfers[0], comm.transfers[1]
@@ -576,18 +620,30 @@ class MoEShape:
     n_dense_layers: int = 0
 
 
-def refusal(backend: str, w: Workload) -> str:
-    """Why `check` would refuse the backend for the workload ("" where it runs), as moe_comm.recipe
-    and the backend's class say: our deepep backend does not pad expert segments, which the
-    grouped-GEMM converters need, and DeepEP has no EP 1 (one rank holds every expert)."""
-    if backend != "deepep":
-        return ""
-    if any(c.startswith("quantize.grouped_mm") for c in w.converters):
-        return "refused with these converters: no expert-segment padding"
-    if w.layout.ep == 1:
-        return "refused at EP 1: DeepEP needs peers"
+def run_plan_for(backend: str, w: Workload, dispatch_dtype: str = "bf16") -> RunPlan:
+    """What the backend's `check_run` is asked about a workload: its layout, flavor, converters,
+    AC and [moe_comm] settings as the model has them, on GPUs. Its ranks run on the cluster the
+    model prices, not in this Python environment, so nothing is imported here to check them."""
+    a, lay = w.args, w.layout
+    options = MoEComm(backend=backend, num_sms=w.num_sms, network_sms=w.network_sms,
+                      virtual_node_size=w.virtual_node_size, dispatch_dtype=dispatch_dtype,
+                      overlap="none" if w.overlap == "dualpipev" else w.overlap)
+    return RunPlan(options=options, device="cuda", ep=lay.ep, ranks_per_node=lay.procs_per_node, nodes=lay.nodes,
+                   num_experts=a.moe_args.num_experts, top_k=a.moe_args.top_k, hidden=a.dim,
+                   score_before_experts=a.moe_args.score_before_experts, converters=tuple(w.converters),
+                   python_env="the cluster the model prices", activation_checkpoint=w.ac_mode,
+                   dual_pipe_v=w.overlap == "dualpipev")
+
+
+def refusal(backend: str, w: Workload, dispatch_dtype: str = "bf16") -> str:
+    """Why `check` would refuse the backend for the workload ("" where it runs): its class's
+    `check_run`, the rules `check`, `submit` and `train` ask before launch."""
+    try:
+        backend_class(backend).check_run(run_plan_for(backend, w, dispatch_dtype))
+    except RecipeError as e:
+        return f"refused: {e}"
     return ""
 
 
-def runnable(backend: str, w: Workload) -> bool:
-    return not refusal(backend, w)
+def runnable(backend: str, w: Workload, dispatch_dtype: str = "bf16") -> bool:
+    return not refusal(backend, w, dispatch_dtype)

@@ -71,7 +71,7 @@ def predicted(fig: dict, cal: calibration.Calibration) -> float:
     if fig["kind"] == "memory":
         mem = estimate.memory_per_gpu(w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, microbatch=w.microbatch)
         return (mem.total if q == "memory_in_use_gib" else mem.reserved) / estimate.GiB
-    return getattr(scale_model.predict(p["backend"], w, cluster, cal), q)
+    return getattr(scale_model.predict(p["backend"], w, cluster, cal, p.get("dispatch_dtype", "bf16")), q)
 
 
 @dataclass

@@ -16,7 +16,7 @@ group, so importing it:
        moe_comm.metrics' processor;
      - "deepseek_v3_titan": TorchTitan's own deepseek_v3 path, untouched except that on CPU FSDP
        reduces with SUM (gloo has no PREMUL_SUM), with moe_comm.metrics' processor (it only
-       observes: its JSONL holds the exact losses). The bitwise "nccl" test compares against it.
+       observes: its JSONL holds the exact losses). The bitwise test of the nccl backend compares against it.
 """
 
 import dataclasses
@@ -38,7 +38,8 @@ from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
 from torchtitan.protocols.train_spec import register_train_spec, TrainSpec
 
 from moe_comm import metrics
-from moe_comm.titan import flavors, pipeline
+from moe_comm.layout import flavors
+from moe_comm.titan import pipeline
 from moe_comm.titan.model import MoECommDeepSeekV3Model
 from moe_comm.titan.parallelize import parallelize_deepseekv3_moe_comm
 

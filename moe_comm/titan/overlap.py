@@ -302,13 +302,3 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
         shared_TD = moe.shared_experts(x_TD)
     return routed_TD if shared_TD is None else shared_TD + routed_TD
 
-
-def use_sync_points(model: torch.nn.Module) -> None:
-    """Under an overlap across microbatches (DualPipeV's EP overlap, or overlap "microbatch"):
-    every MoE layer of this model part passes TorchTitan's sync points A-D around its dispatch
-    and combine (what DualPipeExpertParallel does to TorchTitan's)."""
-    from moe_comm.titan.model import TokenLevelMoE
-
-    for block in model.layers.values():
-        if block.moe_enabled and isinstance(block.moe, TokenLevelMoE):
-            block.moe.sync_points = True

@@ -3,15 +3,15 @@
 It is `torchtitan.models.deepseek_v3.infra.parallelize.parallelize_deepseekv3` step for step,
 composed from TorchTitan's own functions (apply_non_moe_tp, apply_ac, apply_compile, apply_fsdp,
 apply_ddp), except that expert parallelism goes through `apply_backend_ep` (the [moe_comm]
-backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks, DualPipeV's sync
-points go into our MoE layers (moe_comm.titan.overlap) instead of DualPipeExpertParallel (and
-under [moe_comm] overlap = "microbatch" too), and an MoE block's activation checkpoint replays
-its dispatch and combine in the recompute (moe_comm.titan.recompute) instead of running them
-again, which lets DualPipeV's EP overlap run with activation checkpointing (TorchTitan's
-get_dual_pipe_v_flag refuses that).
+backend) instead of `apply_moe_ep_tp`, which hard-codes TorchTitan's hooks, the sync points of an
+overlap across microbatches (DualPipeV's EP overlap, and [moe_comm] overlap = "microbatch") go
+into our MoE layers (`use_sync_points`, run by moe_comm.titan.overlap) instead of
+DualPipeExpertParallel, and an MoE block's activation checkpoint replays its dispatch and combine
+in the recompute (moe_comm.titan.recompute) instead of running them again, which lets DualPipeV's
+EP overlap run with activation checkpointing (TorchTitan's get_dual_pipe_v_flag refuses that).
 Before building, it asks the checks `check`, `submit` and `train` ran before launch
-(moe_comm.recipe.check_layout and the backend's check_run) again, with what the ranks see,
-rather than re-checking by hand.
+(moe_comm.layout's rules and the backend's check_run) again, with what the ranks see, rather than
+re-checking by hand.
 """
 
 import os
@@ -27,12 +27,12 @@ from torchtitan.models.llama3.infra.parallelize import apply_ddp
 from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp, apply_moe_ep_tp
 from torchtitan.tools.logging import logger
 
-from moe_comm import gpus, recipe
+from moe_comm import gpus
 from moe_comm.backends import backend_class
-from moe_comm.predict.estimate import Layout
+from moe_comm.layout import check_layout, Layout, run_plan
 from moe_comm.titan import cpu, recompute
 from moe_comm.titan.expert_parallel import apply_backend_ep
-from moe_comm.titan.overlap import use_sync_points
+from moe_comm.titan.model import TokenLevelMoE
 
 
 def run_layout(parallel_dims: ParallelDims) -> Layout:
@@ -49,8 +49,8 @@ def check_before_build(model: nn.Module, parallel_dims: ParallelDims, job_config
     layout = run_layout(parallel_dims)
     machine = gpus.this_machine()
     device = "cuda" if machine else "cpu"
-    recipe.check_layout(job_config, layout, model.model_args, device)
-    plan = recipe.run_plan(
+    check_layout(job_config, layout, model.model_args, device)
+    plan = run_plan(
         job_config, layout, model.model_args, device,
         gpu=machine[0] if machine else "", gpu_sms=machine[1] if machine else 0,
         launch_env=dict(os.environ), launch_env_source="this process's environment",
@@ -64,6 +64,15 @@ def dual_pipe_v(job_config: JobConfig, parallel_dims: ParallelDims) -> bool:
     p = job_config.parallelism
     return (parallel_dims.ep_enabled and parallel_dims.pp_enabled and p.pipeline_parallel_expert_parallel_overlap
             and p.pipeline_parallel_schedule.lower() == "dualpipev")
+
+
+def use_sync_points(model: nn.Module) -> None:
+    """Under an overlap across microbatches (DualPipeV's EP overlap, or overlap "microbatch"):
+    every MoE layer of this model part passes TorchTitan's sync points A-D around its dispatch
+    and combine (what DualPipeExpertParallel does to TorchTitan's)."""
+    for block in model.layers.values():
+        if block.moe_enabled and isinstance(block.moe, TokenLevelMoE):
+            block.moe.sync_points = True
 
 
 def ep_mesh(parallel_dims: ParallelDims) -> DeviceMesh:

@@ -33,7 +33,6 @@ from oracles import (  # noqa: E402
     apply_experts,
     expert_params,
     forwarded_slots,
-    fp8_round_trip,
     gather_cpu,
     reference_forward,
     reference_layout,
@@ -43,6 +42,7 @@ from oracles import (  # noqa: E402
 from moe_comm.backends.base import MoELayerSpec  # noqa: E402
 from moe_comm.backends.nvshmem import NvshmemBackend  # noqa: E402
 from moe_comm.config import MoEComm  # noqa: E402
+from moe_comm.kernels.fp8_format import round_trip as fp8_round_trip  # noqa: E402
 from moe_comm.kernels import runtime  # noqa: E402
 
 MAX_TOKENS = 1024

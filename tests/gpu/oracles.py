@@ -8,7 +8,8 @@ Pure torch on CPU tensors, so the same checks run against the nvshmem kernels on
   - per-expert counts equal an all-reduce of the routing histogram;
   - combine with unit weights divided by the fan-out equals the input;
   - outputs and gradients (x and routing weights) against a pure-torch reference;
-  - FP8 dispatch: rows equal quantise-dequantise in pure torch, bit for bit;
+  - FP8 dispatch: rows equal quantise-dequantise in pure torch, bit for bit
+    (moe_comm.kernels.fp8_format.round_trip);
   - the hierarchical path: slots each forwarder delivers, against a count from the routing.
 """
 
@@ -97,16 +98,6 @@ def reference_forward(x, idx, w, a, b):
     x32, a32, b32 = x.float(), a.float(), b.float()
     y = x32[:, None, :] * a32[idx] + b32[idx]  # [T, K, D]
     return (w[:, :, None] * y).sum(dim=1)
-
-
-def fp8_round_trip(x, group=128):
-    """bf16 rows quantised to e4m3 with one fp32 scale per `group` channels (amax / 448, amax at
-    least 1e-4) and back to bf16: what FP8 dispatch must deliver, bit for bit."""
-    t, d = x.shape
-    xf = x.float().view(t, d // group, group)
-    scale = xf.abs().amax(dim=2, keepdim=True).clamp(min=1e-4) / 448.0
-    q = (xf / scale).to(torch.float8_e4m3fn)
-    return (q.float() * scale).view(t, d).to(torch.bfloat16)
 
 
 def forwarded_slots(idxs, rank, num_experts, ranks_per_node):
