@@ -6,7 +6,7 @@ rows past the last expert's segment.
 Tolerance: FP8's. Against float64 SwiGLU experts on the same (dequantised) input rows, the
 output and every gradient must be within 10% relative L2 error. e4m3 rounds each operand to 3
 mantissa bits (a rounding error of up to 6.25%, about 2-3% RMS for a row scaled to its amax), and
-each result passes through two GEMMs and a requantisation, which measured 3-6% here; a gradient
+each result passes through two GEMMs and a requantisation, which measured 4-6% here; a gradient
 routed to the wrong expert or weight is off by about 100%, which the test checks it would see."""
 
 import dataclasses

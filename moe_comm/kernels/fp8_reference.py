@@ -93,7 +93,7 @@ def segments(offsets_L: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def group_columns(x_RC: torch.Tensor, row_scale_R: torch.Tensor | None, offsets_L: torch.Tensor, halves: int):
+def group_columns(x_RC: torch.Tensor, row_scale_R: torch.Tensor | None, offsets_L: torch.Tensor, halves: int = 1):
     """x (bf16, or e4m3 with a scale per row) transposed to [C, rows rounded up to 16] e4m3,
     one scale per (expert, channel) over the expert's rows: (q_CR, scale [halves, L * C/halves]).
     Columns past the last expert's rows are zero (the kernel leaves them as they were)."""

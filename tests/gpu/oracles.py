@@ -8,7 +8,8 @@ Pure torch on CPU tensors, so the same checks run against the nvshmem kernels on
   - per-expert counts equal an all-reduce of the routing histogram;
   - combine with unit weights divided by the fan-out equals the input;
   - outputs and gradients (x and routing weights) against a pure-torch reference;
-  - FP8 dispatch: rows equal quantise-dequantise in pure torch, bit for bit;
+  - FP8 dispatch: rows equal quantise-dequantise in pure torch, bit for bit; for the FP8 experts,
+    e4m3 rows with one scale per row, bit for bit;
   - the hierarchical path: slots each forwarder delivers, against a count from the routing.
 """
 
@@ -99,14 +100,23 @@ def reference_forward(x, idx, w, a, b):
     return (w[:, :, None] * y).sum(dim=1)
 
 
-def fp8_round_trip(x, group=128):
+def fp8_round_trip(x, group=128, min_amax=1e-4):
     """bf16 rows quantised to e4m3 with one fp32 scale per `group` channels (amax / 448, amax at
-    least 1e-4) and back to bf16: what FP8 dispatch must deliver, bit for bit."""
+    least min_amax) and back to bf16: what FP8 dispatch must deliver, bit for bit (min_amax 1e-4;
+    combine's backward in FP8 floors gradients at 1e-30 instead)."""
     t, d = x.shape
     xf = x.float().view(t, d // group, group)
-    scale = xf.abs().amax(dim=2, keepdim=True).clamp(min=1e-4) / 448.0
+    scale = xf.abs().amax(dim=2, keepdim=True).clamp(min=min_amax) / 448.0
     q = (xf / scale).to(torch.float8_e4m3fn)
     return (q.float() * scale).view(t, d).to(torch.bfloat16)
+
+
+def fp8_rows(x):
+    """bf16 rows quantised to e4m3 with one fp32 scale per row (amax / 448, amax at least 1e-4):
+    the rows the FP8 experts must receive, bit for bit. Returns (codes as uint8, scales)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-4) / 448.0
+    return (xf / scale).to(torch.float8_e4m3fn).view(torch.uint8), scale.squeeze(1)
 
 
 def forwarded_slots(idxs, rank, num_experts, ranks_per_node):
