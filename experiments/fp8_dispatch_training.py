@@ -67,8 +67,13 @@ NAME = "fp8_dispatch_training"
 REAL_DATA = "./assets/real/nltk_en"
 REAL_TOKENIZER = "./assets/real"
 MANIFEST = "MANIFEST.json"  # assets/make_real.py's record of what it staged
-SECTION_BEGIN = f"<!-- {NAME}: begin (written by experiments/{NAME}.py; edits here are replaced) -->"
-SECTION_END = f"<!-- {NAME}: end -->"
+
+
+def section_markers(name: str) -> tuple[str, str]:
+    """The markers around a results section in a markdown file: one pair per --name, so several
+    comparisons (FP8 dispatch, FP8 experts) share a file without replacing each other."""
+    return (f"<!-- {name}: begin (written by experiments/{NAME}.py; edits here are replaced) -->",
+            f"<!-- {name}: end -->")
 # The reference keeps its backend's colour; the others follow in this order.
 OTHER_COLORS = ("#ff7f0e", "#7f7f7f", "#2ca02c", "#9467bd")
 
@@ -373,7 +378,7 @@ def varied_fields(results: list[mfu_sweep.RunResult]) -> list[str]:
 
 
 def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Path, commands: list[str],
-            plot_path: str | None) -> str:
+            plot_path: str | None, name: str = NAME) -> str:
     """The results section, in the words of results/fp8_dispatch_accuracy.md."""
     d, last, target = payload["data"], payload["last_steps"], payload["target_pct"]
     ref = payload["reference"]
@@ -387,7 +392,8 @@ def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Pa
     title = ("Training with FP8 dispatch: loss and grad norm against bf16" if varied == ["dispatch"]
              else f"Training: loss and grad norm, runs differing in {' and '.join(varied) or 'nothing (repeats)'}")
     extra = [f for f in varied if f != "dispatch"]  # columns beside dispatch
-    lines = [SECTION_BEGIN, "", f"## {title}", ""]
+    begin, end = section_markers(name)
+    lines = [begin, "", f"## {title}", ""]
     if "source" in d:  # staged by assets/make_real.py
         data = (f"real English text, `{d['dataset_path']}`: {d['source']}, {d['tokens_staged']:,} tokens staged, "
                 f"{d['passes']:.2f} passes (assets/make_real.py says what and why: c4 is on the Hugging Face "
@@ -440,16 +446,17 @@ def section(payload: dict[str, Any], results: list[mfu_sweep.RunResult], out: Pa
         lines.append("- No comparison: fewer than two runs finished.")
     if plot_path:
         lines += ["", f"![loss and grad norm: {title}]({plot_path})"]
-    lines += ["", "Made by:", ""] + [f"    {c}" for c in commands] + ["", SECTION_END]
+    lines += ["", "Made by:", ""] + [f"    {c}" for c in commands] + ["", end]
     return "\n".join(lines) + "\n"
 
 
-def splice(md_path: Path, text: str) -> None:
-    """Put `text` into md_path between the markers, replacing what was there, or at the end."""
+def splice(md_path: Path, text: str, name: str = NAME) -> None:
+    """Put `text` into md_path between --name's markers, replacing what was there, or at the end."""
+    begin, end = section_markers(name)
     old = md_path.read_text() if md_path.is_file() else ""
-    if SECTION_BEGIN in old and SECTION_END in old:
-        head, rest = old.split(SECTION_BEGIN, 1)
-        new = head + text.rstrip("\n") + rest.split(SECTION_END, 1)[1]
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + text.rstrip("\n") + rest.split(end, 1)[1]
     else:
         new = old.rstrip("\n") + ("\n\n" if old else "") + text
     md_path.write_text(new)
@@ -471,10 +478,10 @@ def write_outputs(args: argparse.Namespace, results: list[mfu_sweep.RunResult], 
     if plot_path is not None:
         base = args.md.parent if args.md else folder
         md_ref = os.path.relpath(plot_path.resolve(), base.resolve())
-    text = section(payload, results, args.out, commands, md_ref)
+    text = section(payload, results, args.out, commands, md_ref, args.name)
     (folder / "section.md").write_text(text)
     if args.md:
-        splice(args.md, text)
+        splice(args.md, text, args.name)
     return payload
 
 

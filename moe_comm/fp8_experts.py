@@ -144,16 +144,18 @@ class _Fp8Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows_grad_RD, w1, w2, w3, x_q, x_scale, offsets, wgrad_fp8, marks):
-        _mark(marks, "start")
-        w13_q, w13_scale, w13_col_amax = fp8.weights(w1, w3)
-        w2_q, w2_scale, w2_col_amax = fp8.weights(w2)
-        _mark(marks, "weights")
-        h13 = fp8.scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_scale, w13_scale, offsets)
-        _mark(marks, "gemm_13")
-        h_q, h_scale = fp8.gate(h13, offsets)
-        _mark(marks, "gate")
-        y = fp8.scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_scale, w2_scale, offsets)
-        _mark(marks, "gemm_2")
+        # dtypes are this function's own: autocast (TorchTitan's at world 1) must not recast them
+        with torch.autocast(x_q.device.type, enabled=False):
+            _mark(marks, "start")
+            w13_q, w13_scale, w13_col_amax = fp8.weights(w1, w3)
+            w2_q, w2_scale, w2_col_amax = fp8.weights(w2)
+            _mark(marks, "weights")
+            h13 = fp8.scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_scale, w13_scale, offsets)
+            _mark(marks, "gemm_13")
+            h_q, h_scale = fp8.gate(h13, offsets)
+            _mark(marks, "gate")
+            y = fp8.scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_scale, w2_scale, offsets)
+            _mark(marks, "gemm_2")
         ctx.save_for_backward(x_q, x_scale, offsets, h13, w1, w2, w3, w13_col_amax, w2_col_amax)
         ctx.wgrad_fp8, ctx.marks = wgrad_fp8, marks
         return y
@@ -163,38 +165,39 @@ class _Fp8Experts(torch.autograd.Function):
         x_q, x_scale, offsets, h13, w1, w2, w3, w13_col_amax, w2_col_amax = ctx.saved_tensors
         marks, inter = ctx.marks, w1.shape[1]
         dy = grad_y.to(torch.bfloat16).contiguous()
-        _mark(marks, "start")
-        dy_q, dy_scale = fp8.quantise_rows(dy, offsets)
-        _mark(marks, "quantise_dy")
-        w2t_q, w2t_scale = fp8.weights_transposed(w2, None, w2_col_amax)  # [L, I, D]
-        _mark(marks, "weights_t_2")
-        dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, w2t_scale, offsets)
-        del dy_q, dy_scale, w2t_q
-        _mark(marks, "dgrad_h")
-        dh13_q, dh13_scale, dh13, h = fp8.gate_backward(h13, dh, offsets)
-        del dh
-        _mark(marks, "gate_backward")
-        w13t_q, w13t_scale = fp8.weights_transposed(w1, w3, w13_col_amax)  # [L, D, 2I]
-        _mark(marks, "weights_t_13")
-        dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, w13t_scale, offsets)
-        del dh13_q, dh13_scale, w13t_q
-        _mark(marks, "dgrad_x")
-        if ctx.wgrad_fp8:
-            dy_t, dy_t_scale = fp8.group_columns(dy, None, offsets)  # [D, R']
-            h_t, h_t_scale = fp8.group_columns(h, None, offsets)  # [I, R']
-            dh13_t, dh13_t_scale = fp8.group_columns(dh13, None, offsets, 2)  # [2I, R']
-            x_t, x_t_scale = fp8.group_columns(x_q, x_scale, offsets)  # [D, R']
-            _mark(marks, "wgrad_operands")
-            dw2 = fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets)
-            dw1 = fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale[0], offsets)
-            dw3 = fp8.scaled_grouped_mm(dh13_t[inter:], x_t.t(), dh13_t_scale[1], x_t_scale[0], offsets)
-        else:
-            x = (x_q.float() * x_scale[:, None]).to(torch.bfloat16)
-            _mark(marks, "wgrad_operands")
-            dw2 = fp8.grouped_mm(dy.t(), h, offsets)
-            dw1 = fp8.grouped_mm(dh13[:, :inter].t(), x, offsets)
-            dw3 = fp8.grouped_mm(dh13[:, inter:].t(), x, offsets)
-        _mark(marks, "wgrad_gemm")
+        with torch.autocast(dy.device.type, enabled=False):  # as in forward
+            _mark(marks, "start")
+            dy_q, dy_scale = fp8.quantise_rows(dy, offsets)
+            _mark(marks, "quantise_dy")
+            w2t_q, w2t_scale = fp8.weights_transposed(w2, None, w2_col_amax)  # [L, I, D]
+            _mark(marks, "weights_t_2")
+            dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, w2t_scale, offsets)
+            del dy_q, dy_scale, w2t_q
+            _mark(marks, "dgrad_h")
+            dh13_q, dh13_scale, dh13, h = fp8.gate_backward(h13, dh, offsets)
+            del dh
+            _mark(marks, "gate_backward")
+            w13t_q, w13t_scale = fp8.weights_transposed(w1, w3, w13_col_amax)  # [L, D, 2I]
+            _mark(marks, "weights_t_13")
+            dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, w13t_scale, offsets)
+            del dh13_q, dh13_scale, w13t_q
+            _mark(marks, "dgrad_x")
+            if ctx.wgrad_fp8:
+                dy_t, dy_t_scale = fp8.group_columns(dy, None, offsets)  # [D, R']
+                h_t, h_t_scale = fp8.group_columns(h, None, offsets)  # [I, R']
+                dh13_t, dh13_t_scale = fp8.group_columns(dh13, None, offsets, 2)  # [2I, R']
+                x_t, x_t_scale = fp8.group_columns(x_q, x_scale, offsets)  # [D, R']
+                _mark(marks, "wgrad_operands")
+                dw2 = fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets)
+                dw1 = fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale[0], offsets)
+                dw3 = fp8.scaled_grouped_mm(dh13_t[inter:], x_t.t(), dh13_t_scale[1], x_t_scale[0], offsets)
+            else:
+                x = (x_q.float() * x_scale[:, None]).to(torch.bfloat16)
+                _mark(marks, "wgrad_operands")
+                dw2 = fp8.grouped_mm(dy.t(), h, offsets)
+                dw1 = fp8.grouped_mm(dh13[:, :inter].t(), x, offsets)
+                dw3 = fp8.grouped_mm(dh13[:, inter:].t(), x, offsets)
+            _mark(marks, "wgrad_gemm")
         return dx, dw1, dw2, dw3, None, None, None, None, None
 
 

@@ -191,3 +191,14 @@ def test_the_instrumented_backend_hands_the_fp8_rows_on(group):
     x = torch.randn(2, 16, requires_grad=True)
     result = backend.dispatch(x, torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2))
     assert isinstance(result, DispatchResult) and result.recv_fp8 is rows
+
+
+def test_autocast_leaves_the_fp8_maths_alone():
+    """At world 1 TorchTitan trains under autocast; the FP8 experts choose every dtype themselves
+    (on CPU, autocast would turn the emulated GEMMs' fp32 matmuls into bf16 ones)."""
+    case = make_case(4)
+    plain = run_fp8(case)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = run_fp8(case)
+    for k in plain:
+        assert torch.equal(plain[k], under[k]), k
