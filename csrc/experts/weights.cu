@@ -14,7 +14,7 @@
 
 namespace moe_comm {
 
-constexpr int kWeightRows = 128;
+constexpr int kWeightRows = 64;  // 512 blocks for the flagship rank's W1|W3, 896 for its W2
 
 __global__ void __launch_bounds__(kRowThreads) weights_kernel(const WeightsArgs a) {
   __shared__ float scratch[kRowThreads / kWarpSize];
