@@ -277,6 +277,8 @@ class NvshmemBackend(CommBackend):
         align = max(token_group_alignment(), fp8_experts.ROW_ALIGN) if fp8_rows else token_group_alignment()
         self.capacity = capacity.expert_rows(sizes.tokens, self.layer.num_experts, self.layer.top_k, self.ep_size,
                                              self.config.recv_capacity_factor, align)
+        if fp8_rows:  # so that even segments clamped at an overflow keep the FP8 GEMMs' 16-row rule
+            self.capacity = -(-self.capacity // fp8_experts.ROW_ALIGN) * fp8_experts.ROW_ALIGN
         topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
         topk_w_TK = topk_w_TK.to(torch.float32).contiguous()
         args = (x_TD.contiguous(), topk_idx_TK, topk_w_TK, self.layer.num_experts, self.capacity, align,
