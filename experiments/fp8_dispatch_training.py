@@ -1,8 +1,20 @@
 """FP8 dispatch's effect on training: the same recipe, seed and data trained with
 `[moe_comm] dispatch_dtype = "bf16"` and `"fp8"`; loss and grad-norm curves side by side and the
 final loss compared (issue 25, item 4). The same comparison serves any runs that differ in
-backend, dispatch dtype or overlap (`--runs BACKEND:DTYPE[:OVERLAP]`): the chunked overlap
-against none (results/h200x1/overlap_training), the backends at EP 4 (experiments/h200x4_runs.py).
+backend, dispatch dtype, overlap, expert dtype or combine's backward dtype
+(`--runs BACKEND:DTYPE[:FIELD=VALUE...]`): the chunked overlap against none
+(results/h200x1/overlap_training), the backends at EP 4 (experiments/h200x4_runs.py), FP8 experts
+and FP8 combine backward against bf16 (issues 35 and 37), with each run's tokens/s beside its loss.
+
+A --runs entry is BACKEND:DTYPE (DTYPE: [moe_comm] dispatch_dtype) and then, each optional,
+  overlap=none|chunked            [moe_comm] overlap (a bare third field means the same: nvshmem:bf16:chunked)
+  expert_dtype=bf16|fp8           [moe_comm] expert_dtype
+  combine_grad_dtype=bf16|fp8     [moe_comm] combine_grad_dtype
+  target=PCT                      this run's final-loss target against the reference (default --target-pct)
+e.g. the one-GPU recipe's FP8 set, in one call (about 2 minutes a run on one H200):
+    python experiments/fp8_dispatch_training.py --recipe recipes/deepseek_v3_671b_h200x1.toml --steps 300 \\
+        --name fp8_experts_training --runs nvshmem:bf16 nvshmem:fp8:expert_dtype=fp8 \\
+        nvshmem:bf16:combine_grad_dtype=fp8:target=0.5 nccl:bf16
 
 On one H200 (the one-GPU recipe, real text staged by assets/make_real.py):
     python experiments/fp8_dispatch_training.py --recipe recipes/deepseek_v3_671b_h200x1.toml \\
@@ -55,8 +67,13 @@ NAME = "fp8_dispatch_training"
 REAL_DATA = "./assets/real/nltk_en"
 REAL_TOKENIZER = "./assets/real"
 MANIFEST = "MANIFEST.json"  # assets/make_real.py's record of what it staged
-SECTION_BEGIN = f"<!-- {NAME}: begin (written by experiments/{NAME}.py; edits here are replaced) -->"
-SECTION_END = f"<!-- {NAME}: end -->"
+
+
+def section_markers(name: str) -> tuple[str, str]:
+    """The markers around a results section in a markdown file: one pair per --name, so several
+    comparisons (FP8 dispatch, FP8 experts) share a file without replacing each other."""
+    return (f"<!-- {name}: begin (written by experiments/{NAME}.py; edits here are replaced) -->",
+            f"<!-- {name}: end -->")
 # The reference keeps its backend's colour; the others follow in this order.
 OTHER_COLORS = ("#ff7f0e", "#7f7f7f", "#2ca02c", "#9467bd")
 
@@ -67,24 +84,61 @@ class SetupError(Exception):
 
 # ---- plan -------------------------------------------------------------------------------------
 
+# The [moe_comm] fields a --runs entry may set for its run alone: their values and run-name tags.
+RUN_FIELDS = {
+    "overlap": (tuple(OVERLAP_CHUNKS), "overlap{}"),
+    "expert_dtype": (("bf16", "fp8"), "experts-{}"),
+    "combine_grad_dtype": (("bf16", "fp8"), "cgrad-{}"),
+}
+
+
+def parse_entry(entry: str) -> tuple[str, str, dict[str, str], float | None]:
+    """BACKEND:DTYPE[:FIELD=VALUE...] -> (backend, dispatch dtype, fields, target %)."""
+    backend, _, rest = entry.partition(":")
+    dtype, *items = rest.split(":") if rest else ("",)
+    fields: dict[str, str] = {}
+    target = None
+    problem = "" if backend and dtype in ("bf16", "fp8") else "BACKEND:DTYPE first, DTYPE bf16 or fp8"
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:  # BACKEND:DTYPE:OVERLAP, as before the fields
+            key, value = "overlap", item
+        if key == "target":
+            try:
+                target = float(value)
+            except ValueError:
+                problem = f"target={value} is not a number"
+        elif key not in RUN_FIELDS or value not in RUN_FIELDS[key][0] or key in fields:
+            choices = "; ".join(f"{k}={'|'.join(v[0])}" for k, v in RUN_FIELDS.items())
+            problem = f"{item!r} is not one of {choices} (each once), or target=PCT"
+        else:
+            fields[key] = value
+    if problem:
+        raise SetupError(f"--runs {entry!r}: {problem}; e.g. nvshmem:fp8, nccl:bf16, nvshmem:bf16:chunked, "
+                         f"nvshmem:fp8:expert_dtype=fp8, nvshmem:bf16:combine_grad_dtype=fp8:target=0.5 "
+                         f"(overlap one of {', '.join(OVERLAP_CHUNKS)})")
+    return backend, dtype, fields, target
+
+
 def plan(args: argparse.Namespace) -> list[runner.RunSpec]:
-    """One run per --runs entry (BACKEND:DTYPE[:OVERLAP]; default --backend with each --dtypes
-    entry); an entry given again is a repeat, tagged so its folder differs. OVERLAP sets
-    `[moe_comm] overlap` for that run alone, so one invocation compares the chunked overlap's
-    curve with the plain one's (the recipe's own overlap where it is left out)."""
+    """One run per --runs entry (parse_entry; default --backend with each --dtypes entry); an entry
+    given again is a repeat, tagged so its folder differs. Its fields set `[moe_comm]` for that run
+    alone, so one invocation compares e.g. FP8 experts' curve with bf16's (the recipe's own value
+    where a field is left out). A run's own target, if given, lands in args.targets."""
     entries = args.runs or [f"{args.backend}:{dtype}" for dtype in args.dtypes]
     specs, seen = [], {}
+    args.targets = {}
     for entry in entries:
-        backend, dtype, *rest = entry.split(":")
-        overlap = rest[0] if rest else None
-        if not backend or dtype not in ("bf16", "fp8") or len(rest) > 1 or overlap not in (None, *OVERLAP_CHUNKS):
-            raise SetupError(f"--runs {entry!r}: write BACKEND:DTYPE or BACKEND:DTYPE:OVERLAP, e.g. nvshmem:fp8, "
-                             f"nccl:bf16 or nvshmem:bf16:chunked (OVERLAP one of {', '.join(OVERLAP_CHUNKS)})")
+        backend, dtype, fields, target = parse_entry(entry)
         seen[entry] = seen.get(entry, 0) + 1
-        tags = ([f"overlap{overlap}"] if overlap else []) + ([f"repeat{seen[entry]}"] if seen[entry] > 1 else [])
-        specs.append(runner.RunSpec(args.recipe, backend, args.batch, args.seq, dispatch_dtype=dtype,
-                                       overrides=["--moe_comm.overlap", overlap] if overlap else [],
-                                       tag="-".join(tags)))
+        tags = [RUN_FIELDS[k][1].format(v) for k, v in fields.items()]
+        tags += [f"repeat{seen[entry]}"] if seen[entry] > 1 else []
+        overrides = [word for k, v in fields.items() for word in (f"--moe_comm.{k}", v)]
+        spec = runner.RunSpec(args.recipe, backend, args.batch, args.seq, dispatch_dtype=dtype,
+                                 overrides=overrides, tag="-".join(tags))
+        specs.append(spec)
+        if target is not None:
+            args.targets[spec.name] = target
     return specs
 
 
@@ -169,6 +223,7 @@ def compare(ref: dict[str, list], other: dict[str, list], last: int, target_pct:
         "final_loss_ref": final_ref,
         "final_loss": final,
         "final_loss_rel_pct": rel,
+        "target_pct": target_pct,
         "within_target": None if rel is None else abs(rel) <= target_pct,
         "final_grad_norm_ref": _tail_mean(ref_gn, last),
         "final_grad_norm": _tail_mean(gn, last),
@@ -184,33 +239,54 @@ def compare(ref: dict[str, list], other: dict[str, list], last: int, target_pct:
     return out
 
 
+def _is_nccl_bf16(spec: runner.RunSpec) -> bool:
+    """TorchTitan's own path in bf16 (no FP8 anything): what tokens/s is held against."""
+    return spec.backend == "nccl" and spec.dispatch_dtype in (None, "bf16") and not spec.overrides
+
+
 def comparison(results: list[runner.RunResult], out: Path, last: int, target_pct: float,
-               data: dict[str, Any]) -> dict[str, Any]:
+               data: dict[str, Any], targets: dict[str, float] | None = None) -> dict[str, Any]:
+    """Each run against the first: final loss and grad norm (within the run's own target, else
+    target_pct), and tokens/s (steady state, the runner's summary) against the reference's and
+    against TorchTitan's bf16 path (an nccl:bf16 run) where one ran."""
+    targets = targets or {}
     ok = [r for r in results if r.status == "ok"]
     runs = {r.spec.name: report.load_run(out / r.dump_folder / keys.JSONL_NAME) for r in ok}
     curves = {name: curve(run) for name, run in runs.items()}
     reference = results[0].spec.name if results else None
+    tps = {r.spec.name: r.summary.get("tps") for r in ok}
+    nccl = next((r.spec.name for r in ok if _is_nccl_bf16(r.spec)), None)
     payload: dict[str, Any] = {
         "reference": reference,
         "last_steps": last,
         "target_pct": target_pct,
+        "nccl_bf16": nccl,
         "data": data,
-        "runs": {r.spec.name: {"dispatch_dtype": r.spec.dispatch_dtype, "status": r.status, "error": r.error,
+        "runs": {r.spec.name: {"dispatch_dtype": r.spec.dispatch_dtype, "overrides": list(r.spec.overrides),
+                               "status": r.status, "error": r.error,
                                "wall_s": r.wall_s, "steps_logged": len(curves[r.spec.name]["step"])
                                if r.spec.name in curves else 0,
                                "final_loss": _tail_mean(curves[r.spec.name]["loss"], last)
                                if r.spec.name in curves else None,
                                "final_grad_norm": _tail_mean(curves[r.spec.name]["grad_norm"], last)
-                               if r.spec.name in curves else None}
+                               if r.spec.name in curves else None,
+                               "tps": tps.get(r.spec.name),
+                               "tps_vs_reference": _ratio(tps.get(r.spec.name), tps.get(reference)),
+                               "tps_vs_nccl_bf16": _ratio(tps.get(r.spec.name), tps.get(nccl))}
                  for r in results},
         "against_reference": {},
     }
     if reference in curves:
         for name, c in curves.items():
             if name != reference:
-                payload["against_reference"][name] = compare(curves[reference], c, last, target_pct)
+                payload["against_reference"][name] = compare(curves[reference], c, last,
+                                                             targets.get(name, target_pct))
     payload["curves"] = curves
     return payload
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value and base else None
 
 
 # ---- outputs ----------------------------------------------------------------------------------
@@ -283,7 +359,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 VARIED_FIELD_NAMES = {"backend": "`[moe_comm] backend`", "dispatch": "`[moe_comm] dispatch_dtype`",
-                      "overlap": "`[moe_comm] overlap`"}
+                      "overlap": "`[moe_comm] overlap`", "expert_dtype": "`[moe_comm] expert_dtype`",
+                      "combine_grad_dtype": "`[moe_comm] combine_grad_dtype`"}
 
 
 def run_field(spec: runner.RunSpec, field_name: str) -> str:
@@ -292,8 +369,8 @@ def run_field(spec: runner.RunSpec, field_name: str) -> str:
         return spec.backend
     if field_name == "dispatch":
         return spec.dispatch_dtype or "recipe's"
-    o = spec.overrides
-    return o[o.index("--moe_comm.overlap") + 1] if "--moe_comm.overlap" in o else "recipe's"
+    o, flag = spec.overrides, f"--moe_comm.{field_name}"
+    return o[o.index(flag) + 1] if flag in o else "recipe's"
 
 
 def varied_fields(results: list[runner.RunResult]) -> list[str]:
@@ -302,7 +379,7 @@ def varied_fields(results: list[runner.RunResult]) -> list[str]:
 
 
 def section(payload: dict[str, Any], results: list[runner.RunResult], out: Path, commands: list[str],
-            plot_path: str | None, kernels: str | None = None) -> str:
+            plot_path: str | None, kernels: str | None = None, name: str = NAME) -> str:
     """The results section, in the words of results/fp8_dispatch_accuracy.md."""
     d, last, target = payload["data"], payload["last_steps"], payload["target_pct"]
     ref = payload["reference"]
@@ -316,7 +393,8 @@ def section(payload: dict[str, Any], results: list[runner.RunResult], out: Path,
     title = ("Training with FP8 dispatch: loss and grad norm against bf16" if varied == ["dispatch"]
              else f"Training: loss and grad norm, runs differing in {' and '.join(varied) or 'nothing (repeats)'}")
     extra = [f for f in varied if f != "dispatch"]  # columns beside dispatch
-    lines = [SECTION_BEGIN, "", f"## {title}", ""]
+    begin, end = section_markers(name)
+    lines = [begin, "", f"## {title}", ""]
     if "source" in d:  # staged by assets/make_real.py
         data = (f"real English text, `{d['dataset_path']}`: {d['source']}, {d['tokens_staged']:,} tokens staged, "
                 f"{d['passes']:.2f} passes (assets/make_real.py says what and why: c4 is on the Hugging Face "
@@ -329,17 +407,18 @@ def section(payload: dict[str, Any], results: list[runner.RunResult], out: Path,
         f"{report.kernels_text(kernels)}), "
         f"identical but for {' and '.join(VARIED_FIELD_NAMES[f] for f in varied) or 'nothing'}: seed {d['seed']}, "
         f"local batch {d['local_batch_size']} x "
-        f"seq {d['seq_len']}, {d['tokens_read']:,} tokens read per data-parallel rank per run. Data: {data}.",
+        f"seq {d['seq_len']}, {d['tokens_read']:,} tokens read per data-parallel rank per run. Data: {data}. "
+        "tok/s: tokens per second per GPU over the steps after the warm-up (median).",
         "",
         f"| run | {''.join(f + ' | ' for f in extra)}dispatch | steps | loss, mean of last {last} | vs {ref} | grad norm, "
-        f"mean of last {last} | vs {ref} | largest per-step loss difference |",
-        "| --- | " + "--- | " * len(extra) + "--- | --- | --- | --- | --- | --- | --- |",
+        f"mean of last {last} | vs {ref} | largest per-step loss difference | tok/s | vs {ref} |",
+        "| --- | " + "--- | " * len(extra) + "--- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         info = runs[r.spec.name]
         cells = "".join(f"{run_field(r.spec, f)} | " for f in extra)
         if r.status != "ok":
-            lines.append(f"| {r.spec.name} | {cells}{r.spec.dispatch_dtype} | failed: {r.error} | | | | | |")
+            lines.append(f"| {r.spec.name} | {cells}{r.spec.dispatch_dtype} | failed: {r.error} | | | | | | | |")
             continue
         vs = payload["against_reference"].get(r.spec.name)
         lines.append(
@@ -348,28 +427,38 @@ def section(payload: dict[str, Any], results: list[runner.RunResult], out: Path,
             + f" {_fmt(info['final_grad_norm'], '.3f')} | "
             + (f"{_fmt(vs['final_grad_norm_rel_pct'], '+.1f')}% |" if vs else "reference |")
             + (f" {_fmt(vs['max_abs_loss_diff'], '.4f')} (step {vs['max_abs_loss_diff_step']}) |" if vs else " |")
+            + f" {_fmt(info.get('tps'), ',.0f')} | "
+            + (f"{_fmt(info.get('tps_vs_reference'), '.3f')}x |" if vs else "reference |")
         )
     lines.append("")
     for name, vs in payload["against_reference"].items():
+        goal = vs.get("target_pct", target)
         if vs.get("note"):
             verdict = f"no verdict ({vs['note']})"
         else:
-            verdict = ("within" if vs["within_target"] else "**outside**") + f" the {target:g}% target"
+            verdict = ("within" if vs["within_target"] else "**outside**") + f" the {goal:g}% target"
         lines.append(f"- {name}: final loss {_fmt(vs['final_loss_rel_pct'], '+.3f')}% against {ref}, {verdict}.")
+    nccl = payload.get("nccl_bf16")
+    if nccl:
+        for name, info in runs.items():
+            if name != nccl and info.get("tps_vs_nccl_bf16"):
+                lines.append(f"- {name}: {_fmt(info['tps'], ',.0f')} tok/s, {info['tps_vs_nccl_bf16']:.3f}x {nccl}'s "
+                             f"{_fmt(runs[nccl]['tps'], ',.0f')}.")
     if not payload["against_reference"]:
         lines.append("- No comparison: fewer than two runs finished.")
     if plot_path:
         lines += ["", f"![loss and grad norm: {title}]({plot_path})"]
-    lines += ["", "Made by:", ""] + [f"    {c}" for c in commands] + ["", SECTION_END]
+    lines += ["", "Made by:", ""] + [f"    {c}" for c in commands] + ["", end]
     return "\n".join(lines) + "\n"
 
 
-def splice(md_path: Path, text: str) -> None:
-    """Put `text` into md_path between the markers, replacing what was there, or at the end."""
+def splice(md_path: Path, text: str, name: str = NAME) -> None:
+    """Put `text` into md_path between --name's markers, replacing what was there, or at the end."""
+    begin, end = section_markers(name)
     old = md_path.read_text() if md_path.is_file() else ""
-    if SECTION_BEGIN in old and SECTION_END in old:
-        head, rest = old.split(SECTION_BEGIN, 1)
-        new = head + text.rstrip("\n") + rest.split(SECTION_END, 1)[1]
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + text.rstrip("\n") + rest.split(end, 1)[1]
     else:
         new = old.rstrip("\n") + ("\n\n" if old else "") + text
     md_path.write_text(new)
@@ -379,7 +468,7 @@ def write_outputs(args: argparse.Namespace, results: list[runner.RunResult], com
                   data: dict[str, Any]) -> dict[str, Any]:
     folder = args.out / args.name
     folder.mkdir(parents=True, exist_ok=True)
-    payload = comparison(results, args.out, args.last, args.target_pct, data)
+    payload = comparison(results, args.out, args.last, args.target_pct, data, args.targets)
     (folder / "comparison.json").write_text(json.dumps(payload, indent=2) + "\n")
     plot_path = None
     try:
@@ -391,10 +480,10 @@ def write_outputs(args: argparse.Namespace, results: list[runner.RunResult], com
     if plot_path is not None:
         base = args.md.parent if args.md else folder
         md_ref = os.path.relpath(plot_path.resolve(), base.resolve())
-    text = section(payload, results, args.out, commands, md_ref, args.kernels)
+    text = section(payload, results, args.out, commands, md_ref, args.kernels, args.name)
     (folder / "section.md").write_text(text)
     if args.md:
-        splice(args.md, text)
+        splice(args.md, text, args.name)
     return payload
 
 
@@ -407,10 +496,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backend", default="nvshmem", help="[moe_comm] backend of every run")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                    help="dispatch_dtype of each run, the first is the reference; repeat one for a control run")
-    p.add_argument("--runs", nargs="+", metavar="BACKEND:DTYPE[:OVERLAP]",
-                   help="the runs, the first the reference (e.g. nvshmem:bf16 nvshmem:fp8 nccl:bf16, or "
-                   "nvshmem:bf16:none nvshmem:bf16:chunked); "
-                   "default: --backend with each --dtypes entry")
+    p.add_argument("--runs", nargs="+", metavar="BACKEND:DTYPE[:FIELD=VALUE...]",
+                   help="the runs, the first the reference (e.g. nvshmem:bf16 nvshmem:fp8 nccl:bf16, "
+                   "nvshmem:bf16:none nvshmem:bf16:chunked, nvshmem:fp8:expert_dtype=fp8, "
+                   "nvshmem:bf16:combine_grad_dtype=fp8:target=0.5; FIELD: overlap, expert_dtype, "
+                   "combine_grad_dtype, target); default: --backend with each --dtypes entry")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, help="local batch size (default: the recipe's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the recipe's)")
@@ -459,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         args.resume, args.retry_failed = True, False
         results, commands = runner.load_previous(args)
         data = saved.get("data") or {}
+        args.targets = saved.get("targets") or {}
     else:
         try:
             specs = plan(args)
@@ -478,11 +569,14 @@ def main(argv: list[str] | None = None) -> int:
         runner.run_all(args, specs, results, commands, command)
         saved = json.loads(results_path.read_text())
         saved["data"] = data
+        if args.resume:  # runs kept from an earlier call keep their targets
+            args.targets = {**(saved.get("targets") or {}), **args.targets}
+        saved["targets"] = args.targets
         results_path.write_text(json.dumps(saved, indent=2) + "\n")
     payload = write_outputs(args, results, commands, data)
     for name, vs in payload["against_reference"].items():
         print(f"[{NAME}] {name}: final loss {_fmt(vs['final_loss'], '.4f')} vs {_fmt(vs['final_loss_ref'], '.4f')} "
-              f"({_fmt(vs['final_loss_rel_pct'], '+.3f')}%, target {args.target_pct:g}%: "
+              f"({_fmt(vs['final_loss_rel_pct'], '+.3f')}%, target {vs['target_pct']:g}%: "
               f"{ {True: 'met', False: 'missed', None: 'no verdict'}[vs['within_target']] })")
     failed = [r for r in results if r.status != "ok"]
     for r in failed:

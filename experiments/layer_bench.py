@@ -30,7 +30,10 @@ the routed experts' grouped GEMM (`_run_experts_grouped_mm`, the call ExpertPara
 the rows one rank receives at EP 32, drawn by moe_comm.predict.routing_plan (balanced, and node-limited:
 the slowest rank), in bf16 and in float8 rowwise through TorchTitan's
 `quantize.grouped_mm.float8` converter (torchao), eager and compiled as TorchTitan's
-apply_compile compiles it; ExpertParallel's receive-side `_permute` / `_unpermute`; RMSNorm,
+apply_compile compiles it, and through this project's FP8 experts (`[moe_comm] expert_dtype =
+"fp8"`, moe_comm.fp8_experts: rows already in e4m3 as dispatch hands them, FP8 wgrad, and apart
+with bf16 wgrad; each step of their forward and backward timed too, in "breakdown"; on CPU the
+GEMMs are emulated, so only the wiring is exercised there); ExpertParallel's receive-side `_permute` / `_unpermute`; RMSNorm,
 rope, SiLU-mul, residual adds; the embedding and the output projection + loss (first and last
 pipeline stage). Two composites at TP 1: TorchTitan's `MoE` forward and the whole MoE
 `TransformerBlock`, each with the all-to-all replaced by an identity (the rank's own T x K
@@ -247,6 +250,7 @@ class Built:
     shape: dict = field(default_factory=dict)
     note: str = ""
     bytes: dict | None = None  # instead of inputs + outputs + parameters once each, where that misleads
+    breakdown: Callable[[], dict] | None = None  # ms per step of the part's forward and backward
 
 
 def measure(built: Built, clock: Clock, warmup: int, iters: int, ac: bool) -> dict:
@@ -661,6 +665,14 @@ def build_parts(case: Case, device: torch.device, state: dict) -> list[Part]:
                     requires=("cuda", "fp8") if dtype == "fp8" else (),
                     count_per_layer=1 if (dtype, compiled, routing) == ("bf16", False, case.routing) else 0)
 
+    for wgrad in ("fp8", "bf16"):
+        for routing in ("balanced", "node_limited"):
+            def ours(wgrad=wgrad, routing=routing):
+                return _moe_comm_fp8_experts(a, case, rows[routing], device, wgrad == "fp8", Clock(device))
+
+            add(f"experts.{FP8_OURS}{'' if wgrad == 'fp8' else '_bf16_wgrad'}.{routing}", "compute", ours,
+                dtype="fp8", requires=("cuda", "hopper") if device.type == "cuda" else (), count_per_layer=0)
+
     # -- composites (TP 1 only: under TP a rank splits tokens between sequence-parallel and
     # replicated parts, which one module on one GPU cannot reproduce; the sum of parts stands in)
     if case.tp == 1:
@@ -774,6 +786,87 @@ def _experts(a, case: Case, rows: dict, dtype: str, compiled: bool, device) -> B
                  {"rows": rows["rows"], "padded_rows": sum(padded), "rows_per_expert": rows["rows_L"],
                   "local_experts": L, "align": align, "routing": rows["routing"], "mean_rows_per_rank": rows["mean_rows"]},
                  f"{rows['routing']} routing at EP {case.ep}, the rank with the most rows (of a drawn routing)")
+
+
+FP8_OURS = "moe_comm_fp8"  # the part name of this project's FP8 experts
+# Steps of moe_comm.fp8_experts by kind, for the breakdown's totals.
+FP8_STEP_KINDS = {"quantise": ("weights", "gate", "quantise_dy", "weights_t_2", "gate_backward", "weights_t_13"),
+                  "gemm_fwd": ("gemm_13", "gemm_2"), "gemm_dgrad": ("dgrad_h", "dgrad_x"),
+                  "wgrad_operands": ("wgrad_operands",), "gemm_wgrad": ("wgrad_gemm",)}
+
+
+class _RowsGrad(torch.autograd.Function):
+    """Stands in for dispatch_fp8_rows: the zero-stride carrier of the rows' gradient, whose
+    backward takes that gradient as dispatch's would (here: drops it) without reducing it."""
+
+    @staticmethod
+    def forward(ctx, anchor, rows, dim):
+        return anchor.new_zeros(()).expand(rows, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_zeros(()), None, None
+
+
+def _moe_comm_fp8_experts(a, case: Case, rows: dict, device, wgrad_fp8: bool, clock: Clock) -> Built:
+    """This project's FP8 experts over the rows one rank receives, each expert's segment padded
+    to their alignment. The rows are already e4m3 with one scale per row, exactly as dispatch hands
+    them (quantised by the sender or by the layout kernel, so not timed here); the weights are
+    quantised from the bf16 parameters at every call, as in training."""
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    from moe_comm import fp8_experts
+    from moe_comm.kernels import fp8_reference
+
+    if device.type == "cuda":
+        from moe_comm.kernels.runtime import load_library
+
+        load_library()  # csrc/'s kernels (built on first use)
+    m = a.moe_args
+    L = m.num_experts // case.ep
+    e = _init(lambda: GroupedExperts(a.dim, a.moe_inter_dim, L, use_grouped_mm=True), device, 0.02)
+    padded = _padded(rows["rows_L"], fp8_experts.ROW_ALIGN)
+    x = torch.zeros(sum(padded), a.dim, device=device, dtype=torch.bfloat16)
+    start = 0
+    for r, p in zip(rows["rows_L"], padded):
+        x[start:start + r] = torch.randn(r, a.dim, device=device, dtype=torch.bfloat16)
+        start += p
+    q, scale = fp8_reference.quantise_rows(x, fp8_reference.MIN_AMAX_ROWS)
+    fp8_rows = fp8_experts.Fp8Rows(q, scale)
+    counts = torch.tensor(padded, device=device, dtype=torch.int32)
+    anchor = torch.zeros((), device=device, dtype=torch.bfloat16, requires_grad=True)
+    del x
+
+    def run(anchor, marks=None):
+        carrier = _RowsGrad.apply(anchor, q.shape[0], q.shape[1])
+        return fp8_experts.grouped_experts(e.w1, e.w2, e.w3, carrier, fp8_rows, counts, wgrad_fp8, marks)
+
+    def breakdown(iters: int = 5) -> dict:
+        """Median ms of each step (moe_comm.fp8_experts marks them), and their kinds' totals."""
+        steps: dict[str, list[float]] = {}
+        for _ in range(iters + 1):
+            marks: list = []
+            y = run(anchor, marks)
+            y.backward(torch.ones_like(y))
+            clock.sync()
+            prev = None
+            for name, stamp in marks:
+                if name != "start" and prev is not None:
+                    steps.setdefault(name, []).append(clock.ms(prev, stamp))
+                prev = stamp
+        step_ms = {k: statistics.median(v[1:]) for k, v in steps.items()}  # the first call warms up
+        kinds = {kind: sum(step_ms.get(s, 0.0) for s in names) for kind, names in FP8_STEP_KINDS.items()}
+        return {"steps_ms": step_ms, "kinds_ms": kinds,
+                "note": "CUDA events between the steps of one forward and backward (moe_comm.fp8_experts), median "
+                        f"of {iters} after one warm-up; a step's time includes its launch gap"}
+
+    return Built(run, (anchor,), list(e.parameters()), 2 * rows["rows"] * 3 * a.dim * a.moe_inter_dim,
+                 {"rows": rows["rows"], "padded_rows": sum(padded), "rows_per_expert": rows["rows_L"],
+                  "local_experts": L, "align": fp8_experts.ROW_ALIGN, "routing": rows["routing"],
+                  "wgrad": "fp8" if wgrad_fp8 else "bf16"},
+                 f"{rows['routing']} routing at EP {case.ep}; [moe_comm] expert_dtype = \"fp8\" (moe_comm.fp8_experts), "
+                 f"{'FP8' if wgrad_fp8 else 'bf16'} wgrad" + ("" if device.type == "cuda" else "; CPU: GEMMs emulated"),
+                 breakdown=breakdown)
 
 
 def _convert_float8_grouped_mm(model: nn.Module) -> None:
@@ -923,6 +1016,8 @@ def run_part(part: Part, device, clock, args, state, peaks, ceil) -> dict:
     rec["ms"] = {"fwd": plain["fwd"], "bwd": plain["bwd"], "fwd_ac": ac["fwd"], "bwd_ac": ac["bwd"],
                  "recompute": ac["bwd"]["median"] - plain["bwd"]["median"]}
     rec["first_call_s"] = {"plain": plain["first_call_s"], "ac": ac["first_call_s"]}
+    if built.breakdown is not None:
+        rec["breakdown"] = built.breakdown()
     if part.profile:
         try:
             rec["kernels"] = kernel_ms(built, device)
@@ -941,6 +1036,8 @@ def _unmet(part: Part, device: torch.device, state: dict) -> str:
         return next((why[r] for r in part.requires if r in why), "needs a CUDA GPU")
     if "fp8" in part.requires and torch.cuda.get_device_capability(device) < (8, 9):
         return "float8 grouped GEMMs need SM 8.9 or later"
+    if "hopper" in part.requires and torch.cuda.get_device_capability(device) != (9, 0):
+        return "the FP8 experts' rowwise grouped GEMM is Hopper's (SM 9.0)"
     if "flex" in part.requires and state.get("flex_error"):
         return f"FlexAttention failed earlier in this run: {state['flex_error']}"
     return ""
@@ -1126,6 +1223,28 @@ def attention_choice(doc: dict) -> list[dict]:
         out.append({"case": p["case"], "documents": p["shape"].get("documents"), "pieces": p["shape"].get("pieces"),
                     **ms, "faster": faster, "full_ac_ratio": max(full.values()) / full[faster]})
     return out
+FP8_TARGET = 0.75  # FP8 experts' forward + backward against bf16's, at the flagship rank's rows (issue 35)
+
+
+def fp8_experts_against_bf16(doc: dict) -> list[str]:
+    """Per case and routing: this project's FP8 experts' forward + backward against the bf16
+    grouped GEMM's measured in the same run, and where the FP8 time goes."""
+    lines = []
+    for case in doc["cases"]:
+        for routing in ("balanced", "node_limited"):
+            bf16 = _ok(doc, case, f"experts.bf16.{routing}")
+            for suffix, label in (("", "FP8 wgrad"), ("_bf16_wgrad", "bf16 wgrad")):
+                ours = _ok(doc, case, f"experts.{FP8_OURS}{suffix}.{routing}")
+                if not (bf16 and ours):
+                    continue
+                t_bf16, t_ours = (q["ms"]["fwd"]["median"] + q["ms"]["bwd"]["median"] for q in (bf16, ours))
+                ratio = t_ours / t_bf16
+                kinds = ours.get("breakdown", {}).get("kinds_ms", {})
+                verdict = "met" if ratio <= FP8_TARGET else "missed"
+                lines.append(f"- {case}, {routing}: FP8 experts ({label}) fwd + bwd {t_ours:.2f} ms, {ratio:.2f}x bf16's "
+                             f"{t_bf16:.2f} ms (target <= {FP8_TARGET}x: {verdict})"
+                             + (f"; steps: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) + " ms" if kinds else ""))
+    return lines
 
 
 def report(doc: dict) -> str:
@@ -1192,6 +1311,9 @@ def report(doc: dict) -> str:
             lines.append(f"| {c['case']} | {c['documents']} | {c['pieces']} | {c['flex'][0]:.3f} / {c['flex'][1]:.3f} | "
                          f"{c['varlen'][0]:.3f} / {c['varlen'][1]:.3f} | {c['faster']} "
                          f"({c['full_ac_ratio']:.2f}x) |")
+    fp8 = fp8_experts_against_bf16(doc)
+    if fp8:
+        lines += ["", "The routed experts through `[moe_comm] expert_dtype = \"fp8\"` against bf16, same run:", ""] + fp8
     for p in doc["parts"]:
         if p.get("status") == "ok" and p.get("kernels") and "kernel_ms" in p["kernels"]:
             k = p["kernels"]

@@ -33,7 +33,28 @@ class MoEComm:
     """What dispatch puts on the links (nvshmem backend): "bf16" sends the model's rows as they
     are; "fp8" sends e4m3 rows with one fp32 scale per 128 channels, quantised by the sender and
     dequantised into bf16 by the receiver's expert-major layout kernel (half the bytes on every
-    link). Combine and every backward transfer stay bf16."""
+    link). Combine and every backward transfer stay bf16 (combine_grad_dtype is the backward's
+    option). With expert_dtype = "fp8" the sender scales each row by one fp32 scale instead (the
+    same wire format, every group carrying it) and the rows stay e4m3 to the experts."""
+
+    expert_dtype: Literal["bf16", "fp8"] = "bf16"
+    """The routed experts' grouped GEMMs (nvshmem backend, Hopper GPUs). "bf16": TorchTitan's.
+    "fp8": forward, dgrad and wgrad GEMMs in e4m3 through torch._scaled_grouped_mm with rowwise
+    fp32 scales (moe_comm.fp8_experts says which and why): each row of the experts' input one
+    scale, quantised once (by the sender with dispatch_dtype = "fp8", by the receiver's layout
+    kernel with "bf16") and kept to the GEMM; the weights one scale per output channel per
+    expert, quantised from the bf16 weights at every forward. Refused where it cannot run: CPU,
+    GPUs other than Hopper (a B200's FP8 recipe is MXFP8 through [model] converters =
+    ["quantize.grouped_mm.mx"]), backends that cannot feed e4m3 rows, with a grouped_mm
+    converter, and with an overlap other than "none"."""
+
+    combine_grad_dtype: Literal["bf16", "fp8"] = "bf16"
+    """What combine's backward puts on the links (nvshmem backend): the output gradient's rows on
+    their way to the experts, dispatch-shaped. "fp8": e4m3 with one fp32 scale per 128 channels
+    (FP8 dispatch's wire format), quantised by the sender at every EP size, world 1 included (so
+    one GPU measures its accuracy), dequantised to bf16 by the receiver's layout kernel: half the
+    bytes. Off by default: DeepSeek-V3 kept this gradient in bf16 (results/fp8_dispatch_accuracy.md
+    has the measured loss)."""
 
     virtual_node_size: int = 0
     """Ranks per node as the nvshmem kernels see it; 0 means the real node (the ranks that share

@@ -46,6 +46,8 @@ def test_limits_come_from_the_kernels_header():
     dict(ep=1, nodes=1, ranks_per_node=1, gpu="H200", launch_env=None),  # one GPU: every expert local
     dict(ep=1, nodes=1, ranks_per_node=8, launch_env=None),  # EP 1 under FSDP 8: a one-rank EP group each
     dict(ep=1, nodes=1, ranks_per_node=1, gpu="H200", dispatch_dtype="fp8", launch_env=None),
+    dict(combine_grad_dtype="fp8"),
+    dict(ep=1, nodes=1, ranks_per_node=1, gpu="H200", combine_grad_dtype="fp8", launch_env=None),
 ])
 def test_nvshmem_accepts(kw):
     NvshmemBackend.check_run(plan(**kw))
@@ -83,6 +85,68 @@ def test_nvshmem_refuses_naming_the_field(kw, words):
         NvshmemBackend.check_run(plan(**kw))
     for word in words:
         assert word in str(e.value), f"{word!r} not in {str(e.value)!r}"
+
+
+H200_EP = dict(gpu="H200", ranks_per_node=8, nodes=1, ep=8, launch_env=None)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(ep=1, nodes=1, ranks_per_node=1, gpu="H200", launch_env=None),  # the one-GPU recipe
+    H200_EP,  # EP 8 inside a node
+    dict(H200_EP, ep=8, virtual_node_size=2, launch_env={}),  # 2x... virtual nodes: the network hop
+    dict(H200_EP, dispatch_dtype="fp8"),  # rows quantised once, at the sender
+    dict(H200_EP, dispatch_dtype="fp8", combine_grad_dtype="fp8"),
+    dict(H200_EP, gpu="NVIDIA H100 80GB HBM3", num_sms=20),
+    dict(H200_EP, converters=("quantize.linear.float8",)),  # the dense linears' converter is another matter
+])
+def test_fp8_experts_run_on_hopper_through_nvshmem(kw):
+    assert NvshmemBackend.check_run(plan(expert_dtype="fp8", **kw)) == []
+
+
+def test_fp8_experts_on_an_unknown_gpu_is_a_note():
+    notes = NvshmemBackend.check_run(plan(expert_dtype="fp8", **dict(H200_EP, gpu="")))
+    assert any('expert_dtype = "fp8"' in n and "Hopper" in n for n in notes)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(gpu="B200"), ['expert_dtype = "fp8"', "Hopper", "B200", "quantize.grouped_mm.mx", 'expert_dtype = "bf16"']),
+    (dict(H200_EP, converters=("quantize.grouped_mm.float8",)), ["quantize.grouped_mm.float8", "choose one"]),
+    (dict(H200_EP, converters=("quantize.grouped_mm.mx",)), ["quantize.grouped_mm.mx", "choose one"]),
+    (dict(H200_EP, overlap="chunked"), ['overlap = "chunked"', 'overlap = "none"']),
+    (dict(H200_EP, dual_pipe_v=True), ["DualPipeV", 'overlap = "none"']),
+    (dict(H200_EP, param_dtype="float32"), ["mixed_precision_param", "bfloat16"]),
+    (dict(H200_EP, hidden=7000), ["hidden", "7000", "multiple of 16"]),
+    (dict(H200_EP, hidden=9216), ["9216", "8192"]),
+])
+def test_fp8_experts_refused_naming_the_field(kw, words):
+    with pytest.raises(RecipeError) as e:
+        NvshmemBackend.check_run(plan(expert_dtype="fp8", **kw))
+    for word in words:
+        assert word in str(e.value), f"{word!r} not in {str(e.value)!r}"
+
+
+def test_fp8_experts_refused_on_cpu_and_by_backends_that_cannot_feed_them():
+    from moe_comm import fp8_experts
+
+    cpu = plan(expert_dtype="fp8", **dict(H200_EP, device="cpu", gpu=""))
+    with pytest.raises(RecipeError, match='needs CUDA'):  # the nvshmem backend's own rule comes first
+        NvshmemBackend.check_run(cpu)
+    with pytest.raises(RecipeError, match=r'expert_dtype = "fp8".*on cpu.*expert_dtype = "bf16"'):
+        fp8_experts.check_run(cpu)
+    for name in ("nccl", "deepep"):
+        with pytest.raises(RecipeError, match=r'backend = "{}" cannot feed them: set backend = "nvshmem"'.format(name)):
+            backend_class(name).check_run(plan(name, expert_dtype="fp8", num_sms=20,
+                                               python_env="[cluster] container_image = 'img'"))
+
+
+def test_fp8_combine_backward_is_the_nvshmem_backends_only():
+    for name in ("nccl", "deepep"):
+        with pytest.raises(RecipeError, match='combine_grad_dtype = "fp8" is the nvshmem backend'):
+            backend_class(name).check_run(plan(name, combine_grad_dtype="fp8", num_sms=20,
+                                               python_env="[cluster] container_image = 'img'"))
+    for kw, word in ((dict(param_dtype="float32"), "mixed_precision_param"), (dict(hidden=2000), "2000")):
+        with pytest.raises(RecipeError, match=word):
+            NvshmemBackend.check_run(plan(combine_grad_dtype="fp8", **kw))
 
 
 def test_unknown_gpu_is_checked_against_the_largest_and_said_so():

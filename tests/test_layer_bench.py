@@ -29,10 +29,12 @@ COMMON = ["rmsnorm", "residual_add", "rope", "silu_mul.experts", "attention.modu
           "attention.module.flex", "attention.module.varlen",
           *[f"attention.core.{k}{d}" for k in ("flex", "varlen") for d in DOCS], "router",
           "reorderer", "shared_expert", "dense_ffn", "recv_permute", "embedding", "output_loss",
-          *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled") for r in ("balanced", "node_limited")]]
+          *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled", "moe_comm_fp8", "moe_comm_fp8_bf16_wgrad")
+            for r in ("balanced", "node_limited")]]
 COMPOSITES = ["moe.standard_local", "layer.moe_block"]  # TP 1 only
+# torchao's float8 parts need a GPU; the project's FP8 experts run on CPU with the GEMMs emulated
 NOT_ON_CPU = {"flex": "FlexAttention's backward does not run on CPU", "varlen": "variable-length kernel is CUDA only",
-              "fp8": "float8 grouped GEMMs need a CUDA GPU"}
+              "experts.fp8.": "float8 grouped GEMMs need a CUDA GPU"}
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +198,19 @@ def test_attention_choice_names_the_faster_kernel():
     (c,) = lb.attention_choice({"parts": parts})
     assert c["faster"] == "varlen" and c["full_ac_ratio"] == pytest.approx(6.0 / 5.4)
     assert lb.attention_choice({"parts": parts[:1]}) == []  # varlen not measured: no choice
+def test_fp8_experts_are_timed_step_by_step_against_bf16(bench):
+    """The project's FP8 experts: every step of their forward and backward timed (what the
+    benchmark's JSON says about quantisation against GEMMs), and set against bf16 in the report."""
+    _, doc = bench
+    fp8_steps = {"weights", "gemm_13", "gate", "gemm_2", "quantise_dy", "weights_t_2", "dgrad_h", "gate_backward",
+                 "weights_t_13", "dgrad_x", "wgrad_operands", "wgrad_gemm"}
+    for case in ("flagship", "nebius"):
+        for variant in ("moe_comm_fp8", "moe_comm_fp8_bf16_wgrad"):
+            for routing in ("balanced", "node_limited"):
+                p = next(q for q in doc["parts"] if (q["case"], q["name"]) == (case, f"experts.{variant}.{routing}"))
+                assert set(p["breakdown"]["steps_ms"]) == fp8_steps
+                assert set(p["breakdown"]["kinds_ms"]) == set(lb.FP8_STEP_KINDS)
+                assert all(v > 0 for v in p["breakdown"]["steps_ms"].values())
+                assert p["shape"]["align"] == 16 and p["shape"]["wgrad"] == ("fp8" if variant == "moe_comm_fp8" else "bf16")
+    lines = lb.fp8_experts_against_bf16(doc)
+    assert len(lines) == 8 and all("x bf16's" in line and "target <= 0.75x" in line for line in lines)

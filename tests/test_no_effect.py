@@ -70,6 +70,14 @@ def test_fp8_dispatch_on_a_bf16_backend_is_refused():
         recipe.load(DEBUG, ["--moe_comm.dispatch_dtype", "fp8"], device="cpu")
 
 
+def test_fp8_experts_and_combine_backward_on_a_bf16_backend_are_refused():
+    """The recipe's own check (before any process starts) says which field and what to set."""
+    with pytest.raises(RecipeError, match=r'expert_dtype = "fp8".*backend = "nccl" cannot feed them'):
+        recipe.load(DEBUG, ["--moe_comm.expert_dtype", "fp8"], device="cpu")
+    with pytest.raises(RecipeError, match=r'combine_grad_dtype = "fp8" is the nvshmem backend\'s'):
+        recipe.load(DEBUG, ["--moe_comm.combine_grad_dtype", "fp8"], device="cpu")
+
+
 @pytest.mark.parametrize("verb,prefix", [("check", "warning     "), ("train", "moe_comm: warning: "),
                                          ("submit", "submit: warning: ")])
 def test_every_verb_prints_the_warning(verb, prefix, capsys, tmp_path):

@@ -54,9 +54,16 @@ CASES = [
     "overlap_layer_matches_plain",
     "overlap_microbatch_calls_in_flight",
     "overlap_microbatch_layer_matches_plain",
+    "layout_fp8_rows_fp8_wire",
+    "layout_fp8_rows_bf16_wire",
+    "layout_fp8_rows_every_node",
+    "grad_fp8_experts_fp8_wire",
+    "grad_fp8_experts_bf16_wire",
+    "grad_fp8_combine_backward",
+    "grad_fp8_combine_backward_tiny_gradient",
 ]
 # What a one-GPU training step runs (EP 1: every expert on the rank), at world 1 only.
-WORLD1_CASES = ["moe_layer_ep1_against_nccl", "emulated_link_holds"]
+WORLD1_CASES = ["moe_layer_ep1_against_nccl", "emulated_link_holds", "moe_layer_fp8_experts_ep1"]
 ERROR_CASES = ["slot_overflow_raises", "hang_raises_on_every_rank"]
 # (ranks, virtual node size; 0 = the real node)
 LAYOUTS = [(1, 0), (2, 0), (4, 0), (8, 0), (2, 1), (4, 2), (4, 1), (8, 4), (8, 2)]

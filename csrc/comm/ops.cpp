@@ -9,6 +9,7 @@
 #include <string>
 
 #include "comm/comm.h"
+#include "common/vec.cuh"
 #include "layout/layout.h"
 #include "runtime/runtime.h"
 
@@ -66,10 +67,22 @@ void check_handle(const Handle& h, const Buffers& b) {
         "the dispatch handle does not come from this group's dispatch");
 }
 
+// FP8 rows need bf16 model rows whose FP8 wire row fits a slot.
+void check_fp8_rows(const at::Tensor& x, const Buffers& b, const char* what) {
+  const int64_t hidden = x.size(1);
+  check(x.scalar_type() == at::kBFloat16 && hidden % kFp8GroupChannels == 0 &&
+            fp8_row_bytes((int)hidden) <= b.cap.row_bytes,
+        std::string(what) + " needs bfloat16 rows with hidden divisible by 128");
+}
+
+// fp8: the wire carries e4m3 rows (sender-quantised). fp8_rows: the experts take e4m3 rows
+// with one fp32 scale per row (recv_scale), quantised once: with one scale for the whole row
+// by the sender on an FP8 wire, by expand on a bf16 one.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor>
+           at::Tensor, at::Tensor>
 dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_w, int64_t num_experts,
-            int64_t capacity, int64_t align, bool fp8, int64_t num_sms, int64_t network_sms, c10::IntArrayRef shape) {
+            int64_t capacity, int64_t align, bool fp8, bool fp8_rows, int64_t num_sms, int64_t network_sms,
+            c10::IntArrayRef shape) {
   const Buffers& b = buffers();
   const Topology& t = b.topo;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -87,9 +100,9 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& t
   check(num_experts % t.world == 0 && num_experts <= kMaxExperts,
         "num_experts must divide by the EP size and be at most " + std::to_string(kMaxExperts));
   check(align >= 1 && capacity >= 0, "align must be >= 1 and capacity >= 0");
-  check(!fp8 || (x.scalar_type() == at::kBFloat16 && hidden % kFp8GroupChannels == 0 &&
-                 fp8_row_bytes((int)hidden) <= b.cap.row_bytes),
-        "dispatch_dtype = \"fp8\" needs bfloat16 rows with hidden divisible by 128");
+  if (fp8) check_fp8_rows(x, b, "dispatch_dtype = \"fp8\"");
+  check(!fp8_rows || (x.scalar_type() == at::kBFloat16 && hidden % 16 == 0),
+        "expert_dtype = \"fp8\" needs bfloat16 rows with hidden divisible by 16");
   check_budget(num_sms, network_sms, b);
   const int vecs = row_vecs(x, b);
   const int G = t.local_size, N = t.nodes, L = (int)num_experts / t.world;
@@ -115,7 +128,7 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& t
   if (N > 1 || fp8) {
     PackArgs k{x.data_ptr(), topk_idx.data_ptr<int64_t>(), topk_w.data_ptr<float>(), pick_pos.data_ptr<int32_t>(),
                h.send_idx.data_ptr<int32_t>(), (int)T, (int)K, (int)num_experts, (int)hidden, vecs, true, fp8,
-               fp8 ? own_fp8.data_ptr<uint8_t>() : nullptr};
+               fp8_rows, kFp8MinAmax, fp8 ? own_fp8.data_ptr<uint8_t>() : nullptr};
     launch_pack(b, k, stream);
   }
 
@@ -152,7 +165,8 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& t
                 h.slot_origin.data_ptr<int32_t>()};
   launch_receive_layout(b, r, stream);
 
-  at::Tensor recv_x = at::empty({capacity, hidden}, x.options());
+  at::Tensor recv_x = at::empty({capacity, hidden}, fp8_rows ? x.options().dtype(at::kFloat8_e4m3fn) : x.options());
+  at::Tensor recv_scale = at::empty({fp8_rows ? capacity : 0}, x.options().dtype(at::kFloat));
   at::Tensor tokens_per_expert = i32({L}, x);
   ExpandArgs e{};
   e.recv_counts = d.recv_counts;
@@ -165,6 +179,7 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& t
   e.capacity = (int)capacity;
   e.hidden = (int)hidden;
   e.fp8 = fp8;
+  e.fp8_rows = fp8_rows;
   e.own_rows = d.own_rows;
   e.own_row_bytes = d.wire_vecs * 16;
   e.slot_pos = r.slot_pos;
@@ -175,16 +190,19 @@ dispatch_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& t
   e.tokens_per_expert = tokens_per_expert.data_ptr<int32_t>();
   e.seg_info = d.recv_counts + G;
   e.out = recv_x.data_ptr();
+  e.row_scale = fp8_rows ? recv_scale.data_ptr<float>() : nullptr;
   e.row_vecs = vecs;
+  e.out_row_vecs = fp8_rows ? (int)(hidden / 16) : vecs;
   launch_expand(b, e, x.scalar_type() == at::kBFloat16, false, stream);
   return {recv_x, tokens_per_expert, h.rank_pos, h.send_idx, h.rail_counts, h.net_route, h.recv_info,
-          h.slot_rows, h.slot_w, h.slot_origin};
+          h.slot_rows, h.slot_w, h.slot_origin, recv_scale};
 }
 
 at::Tensor combine_op(const at::Tensor& y, const at::Tensor& topk_w, const at::Tensor& rank_pos, const at::Tensor& send_idx,
                       const at::Tensor& rail_counts, const at::Tensor& net_route, const at::Tensor& recv_info,
                       const at::Tensor& slot_rows, const at::Tensor& slot_w, const at::Tensor& slot_origin,
-                      bool weighted, int64_t num_sms, int64_t network_sms) {
+                      bool weighted, bool fp8_grad, int64_t num_sms, int64_t network_sms) {
+  (void)fp8_grad;  // how this op's backward sends the output gradient (moe_comm/kernels/ops.py)
   const Buffers& b = buffers();
   const c10::cuda::CUDAGuard guard(y.device());
   check_rows(y, "y");
@@ -213,12 +231,14 @@ at::Tensor combine_op(const at::Tensor& y, const at::Tensor& topk_w, const at::T
   return out;
 }
 
+// fp8: the output gradient travels as e4m3 with one fp32 scale per 128 channels (quantised here,
+// at world 1 too), dequantised by expand.
 std::tuple<at::Tensor, at::Tensor> combine_backward_op(const at::Tensor& grad_out, const at::Tensor& y,
                                                        const at::Tensor& rank_pos, const at::Tensor& send_idx,
                                                        const at::Tensor& rail_counts, const at::Tensor& net_route,
                                                        const at::Tensor& recv_info, const at::Tensor& slot_rows,
                                                        const at::Tensor& slot_w, const at::Tensor& slot_origin,
-                                                       int64_t num_sms, int64_t network_sms) {
+                                                       bool fp8, int64_t num_sms, int64_t network_sms) {
   const Buffers& b = buffers();
   const Topology& t = b.topo;
   const c10::cuda::CUDAGuard guard(y.device());
@@ -232,20 +252,24 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_op(const at::Tensor& grad_ou
   const int vecs = row_vecs(y, b);
   const int64_t T = rank_pos.size(0), K = slot_rows.size(1);
   check(g.size(0) == T, "grad_out has another token count than the forward");
+  if (fp8) check_fp8_rows(g, b, "combine_grad_dtype = \"fp8\"");
   const bool bf16 = y.scalar_type() == at::kBFloat16;
+  const int64_t hidden = g.size(1);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
-  if (t.nodes > 1) {
+  at::Tensor own_fp8;
+  if (fp8) own_fp8 = at::empty({T, fp8_row_bytes((int)hidden)}, g.options().dtype(at::kByte));
+  if (t.nodes > 1 || fp8) {
     PackArgs k{g.data_ptr(), nullptr, nullptr, nullptr, send_idx.data_ptr<int32_t>(), (int)T, (int)K, 0,
-               (int)g.size(1), vecs, false, false, nullptr};
+               (int)hidden, vecs, false, fp8, false, kFp8MinAmaxSmall, fp8 ? own_fp8.data_ptr<uint8_t>() : nullptr};
     launch_pack(b, k, stream);
   }
   DispatchArgs d{};
   d.backward = true;
   d.num_tokens = (int)T;
   d.top_k = (int)K;
-  d.wire_vecs = vecs;
-  d.own_rows = g.data_ptr();
+  d.wire_vecs = fp8 ? fp8_row_bytes((int)hidden) / 16 : vecs;
+  d.own_rows = fp8 ? own_fp8.data_ptr() : g.data_ptr();
   d.rank_pos = rank_pos.data_ptr<int32_t>();
   d.rail_counts = const_cast<int32_t*>(rail_counts.data_ptr<int32_t>());
   d.net_route = const_cast<int32_t*>(net_route.data_ptr<int32_t>());
@@ -260,15 +284,17 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_op(const at::Tensor& grad_ou
   e.local_experts = (int)(recv_info.numel() - t.local_size - 1) / 2;
   e.top_k = (int)K;
   e.capacity = (int)y.size(0);
-  e.hidden = (int)y.size(1);
-  e.own_rows = g.data_ptr();
-  e.own_row_bytes = vecs * 16;
+  e.hidden = (int)hidden;
+  e.fp8 = fp8;
+  e.own_rows = d.own_rows;
+  e.own_row_bytes = d.wire_vecs * 16;
   e.y = y.data_ptr();
   e.slot_rows = const_cast<int32_t*>(slot_rows.data_ptr<int32_t>());
   e.slot_w = slot_w.data_ptr<float>();
   e.slot_origin = slot_origin.data_ptr<int32_t>();
   e.out = grad_y.data_ptr();
   e.row_vecs = vecs;
+  e.out_row_vecs = vecs;
   launch_expand(b, e, bf16, true, stream);
   CollectArgs c{rail_counts.data_ptr<int32_t>(), net_route.data_ptr<int32_t>(), (int)K, (int)network_sms};
   launch_collect_grad_w(b, c, (int)num_sms, stream);

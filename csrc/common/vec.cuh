@@ -1,6 +1,7 @@
 // Vector maths on 16-byte rows: the element views, fp32 accumulation, and the e4m3 quantiser
-// FP8 dispatch uses (one fp32 scale per 128 channels, computed as amax / 448 and applied by
-// division, so a pure-torch reference reproduces it bit for bit).
+// every FP8 path uses: a scale is amax / 448 over its group of values (128 channels for FP8
+// dispatch, a whole row for the FP8 experts' rows), applied by division and rounded to nearest
+// even, so a pure-torch reference (moe_comm/kernels/fp8_reference.py) reproduces it bit for bit.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,8 +17,13 @@ namespace moe_comm {
 constexpr int kWarpSize = 32;
 // Largest finite e4m3 value: a group's amax maps onto it.
 constexpr float kFp8Max = 448.f;
-// Smallest amax a group is scaled for, so an all-zero group gets a finite scale.
+// Smallest amax a group is scaled for, so an all-zero group gets a finite scale: activation
+// rows (FP8 dispatch, and the rows the FP8 experts receive).
 constexpr float kFp8MinAmax = 1e-4f;
+// The same for gradients and the FP8 experts' own operands (weights, the gate's output, the
+// output gradient): a gradient row's values are often far below 1e-4, and a floor there would
+// flatten them, so only an all-zero group is kept from dividing by zero.
+constexpr float kFp8MinAmaxSmall = 1e-30f;
 
 #if defined(__CUDACC__)
 
@@ -62,21 +68,38 @@ __device__ __forceinline__ uint4 pack(const float (&acc)[Vec<T>::kElems], float 
   return v.raw;
 }
 
-template <typename T>
-__device__ __forceinline__ float dot16(uint4 a, uint4 b) {
-  Vec<T> va, vb;
-  va.raw = a;
-  vb.raw = b;
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < Vec<T>::kElems; ++i) s += to_float(va.elems[i]) * to_float(vb.elems[i]);
-  return s;
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// 16 bytes of bf16 as 8 floats, and back (rounded to nearest).
+__device__ __forceinline__ void bf16x8_to_floats(uint4 raw, float (&out)[8]) {
+  Vec<__nv_bfloat16> v;
+  v.raw = raw;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = __bfloat162float(v.elems[i]);
+}
+
+__device__ __forceinline__ uint4 floats_to_bf16x8(const float (&in)[8]) {
+  Vec<__nv_bfloat16> v;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v.elems[i] = __float2bfloat16(in[i]);
+  return v.raw;
+}
+
+__device__ __forceinline__ float amax8(const float (&in)[8]) {
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(in[i]));
+  return m;
 }
 
 // ---- FP8 (e4m3) rows ------------------------------------------------------------------------
@@ -84,30 +107,28 @@ __device__ __forceinline__ float warp_sum(float v) {
 // v holds bf16 vector v (8 channels). The payload byte of channel c is at c, the scale of group
 // g at hidden + 4 g.
 
+// The scale of a group whose largest |value| is amax.
+__device__ __forceinline__ float fp8_scale(float amax, float min_amax) { return fmaxf(amax, min_amax) / kFp8Max; }
+
 // Half-warp amax of |x| over the lane's 8 channels: the group's scale.
-__device__ __forceinline__ float fp8_group_scale(uint4 raw) {
-  Vec<__nv_bfloat16> v;
-  v.raw = raw;
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(__bfloat162float(v.elems[i])));
+__device__ __forceinline__ float fp8_group_scale(uint4 raw, float min_amax = kFp8MinAmax) {
+  float f[8];
+  bf16x8_to_floats(raw, f);
+  float amax = amax8(f);
 #pragma unroll
   for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  return fmaxf(amax, kFp8MinAmax) / kFp8Max;
+  return fp8_scale(amax, min_amax);
 }
 
-// 8 bf16 channels -> 8 e4m3 bytes, x / scale rounded to nearest even and saturated.
-__device__ __forceinline__ uint2 fp8_quantise8(uint4 raw, float scale) {
-  Vec<__nv_bfloat16> v;
-  v.raw = raw;
+// 8 values -> 8 e4m3 bytes, x / scale rounded to nearest even and saturated.
+__device__ __forceinline__ uint2 fp8_quantise_floats8(const float (&f)[8], float scale) {
   uint32_t word[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     uint32_t packed = 0;
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
-      const float2 pair = make_float2(__bfloat162float(v.elems[4 * h + 2 * p]) / scale,
-                                      __bfloat162float(v.elems[4 * h + 2 * p + 1]) / scale);
+      const float2 pair = make_float2(f[4 * h + 2 * p] / scale, f[4 * h + 2 * p + 1] / scale);
       const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
       packed |= (uint32_t)q << (16 * p);
     }
@@ -116,25 +137,42 @@ __device__ __forceinline__ uint2 fp8_quantise8(uint4 raw, float scale) {
   return make_uint2(word[0], word[1]);
 }
 
-// 16 e4m3 bytes -> 16 bf16 channels (two vectors), q * scale.
-__device__ __forceinline__ void fp8_dequantise16(uint4 raw, float scale, uint4& lo, uint4& hi) {
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-  Vec<__nv_bfloat16> out[2];
+// 8 bf16 channels -> 8 e4m3 bytes.
+__device__ __forceinline__ uint2 fp8_quantise8(uint4 raw, float scale) {
+  float f[8];
+  bf16x8_to_floats(raw, f);
+  return fp8_quantise_floats8(f, scale);
+}
+
+// 8 e4m3 bytes -> their 8 values (unscaled).
+__device__ __forceinline__ void fp8x8_to_floats(uint2 raw, float (&out)[8]) {
+  const uint32_t words[2] = {raw.x, raw.y};
 #pragma unroll
-  for (int w = 0; w < 4; ++w) {
+  for (int w = 0; w < 2; ++w) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(words[w] >> (16 * p)), __NV_E4M3);
       __half2 h;
       h = *reinterpret_cast<const __half2*>(&h2);
       const float2 f = __half22float2(h);
-      const int c = 4 * w + 2 * p;
-      out[c / 8].elems[c % 8] = __float2bfloat16(f.x * scale);
-      out[c / 8].elems[c % 8 + 1] = __float2bfloat16(f.y * scale);
+      out[4 * w + 2 * p] = f.x;
+      out[4 * w + 2 * p + 1] = f.y;
     }
   }
-  lo = out[0].raw;
-  hi = out[1].raw;
+}
+
+// 16 e4m3 bytes -> 16 bf16 channels (two vectors), q * scale.
+__device__ __forceinline__ void fp8_dequantise16(uint4 raw, float scale, uint4& lo, uint4& hi) {
+  float f[2][8];
+  fp8x8_to_floats(make_uint2(raw.x, raw.y), f[0]);
+  fp8x8_to_floats(make_uint2(raw.z, raw.w), f[1]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[h][i] *= scale;
+  }
+  lo = floats_to_bf16x8(f[0]);
+  hi = floats_to_bf16x8(f[1]);
 }
 
 #endif  // __CUDACC__

@@ -52,7 +52,9 @@ struct PackArgs {
   const int32_t* send_idx;   // [T, nodes]
   int num_tokens, top_k, num_experts, hidden, row_vecs;  // row_vecs: of x
   bool meta;                 // forward: write NetMeta (the backward only moves rows)
-  bool fp8;                  // quantise rows to e4m3 (forward only)
+  bool fp8;                  // quantise rows to e4m3 + fp32 scales (bf16 rows)
+  bool row_scale;            // fp8: one scale for the whole row, written to every group
+  float min_amax;            // fp8: smallest amax a scale is taken for (common/vec.cuh)
   uint8_t* own_fp8;          // fp8: [T, fp8_row_bytes(hidden)]
 };
 
@@ -71,14 +73,17 @@ struct ReceiveArgs {
 
 // Expand: the expert-major rows the grouped GEMM takes. Forward: slot_rows become rows of
 // recv_x (positions + run offsets + expert segment starts) and the rows are copied there
-// (dequantised from FP8 when the wire was FP8). Backward (of combine): grad_y rows are
-// w * grad_out and the routing-weight gradients <grad_out, y> go to the slot's forwarder.
+// (dequantised from FP8 when the wire was FP8; or, for the FP8 experts, as e4m3 rows with one
+// fp32 scale per row: kept as they came from an FP8 wire, quantised here from a bf16 one).
+// Backward (of combine): grad_y rows are w * grad_out (dequantised when the wire was FP8) and
+// the routing-weight gradients <grad_out, y> go to the slot's forwarder.
 struct ExpandArgs {
   const int32_t* recv_counts;   // [G]
   const int32_t* run_counts;    // forward: scanned [local_experts][runs]
   const int32_t* column_totals; // forward: [local_experts] true counts
   int top_k, local_experts, runs, align, capacity, hidden;
-  bool fp8;                     // forward: the wire rows are e4m3 + scales
+  bool fp8;                     // the wire rows are e4m3 + fp32 scales per 128 channels
+  bool fp8_rows;                // forward: out is e4m3 rows + row_scale (the FP8 experts' input)
   const void* own_rows;         // this rank's own rows: forward x (or its FP8 copy), backward grad_out
   int own_row_bytes;
   const void* y;                // backward: [capacity, hidden] the forward's expert outputs
@@ -91,7 +96,9 @@ struct ExpandArgs {
   int32_t* seg_info;            // [2 * local_experts + 1] segment starts and their end, then true counts:
                                 // forward writes, backward reads
   void* out;                    // [capacity, hidden] recv_x, or grad_y
+  float* row_scale;             // fp8_rows: [capacity] the scale of each row of out
   int row_vecs;                 // model dtype row in 16-byte vectors
+  int out_row_vecs;             // a row of out in 16-byte vectors (row_vecs, or hidden / 16 for e4m3)
 };
 
 // Reduce: each recv slot's expert outputs, summed with the routing weights (1 when slot_w is

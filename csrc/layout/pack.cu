@@ -1,7 +1,12 @@
 // Pack: the send slots of the network hop (a token's row and metadata, once per other node it
-// goes to), and with FP8 dispatch the e4m3 copy of every own row that NVLink pushes and expand
+// goes to), and with an FP8 wire the e4m3 copy of every own row that NVLink pushes and expand
 // reads. NVSHMEM puts need their source in symmetric memory, and one contiguous slot per
 // (token, node) lets a chunk of slots cross the network in one put.
+//
+// An FP8 row is quantised here, once, at its sender: one fp32 scale per 128 channels (FP8
+// dispatch, combine's backward in FP8), or one scale for the whole row (`row_scale`: the rows the
+// FP8 experts take, which keep their quantisation to the grouped GEMM; the wire format is the
+// same, every group carrying the row's scale).
 //
 // One warp per token over the whole GPU; the row is loaded once and stored to every slot.
 #include <cuda_bf16.h>
@@ -65,10 +70,21 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) pack_kernel(
     }
     // FP8: 16 lanes per 128-channel group; row_vecs is a multiple of 16 (hidden % 128 == 0).
     uint8_t* own = a.own_fp8 + (int64_t)tok * fp8_bytes;
+    float row_scale = 0.f;
+    if (a.row_scale) {
+      float amax = 0.f;
+      for (int v = lane; v < a.row_vecs; v += kWarpSize) {
+        float f[8];
+        bf16x8_to_floats(x[v], f);
+        amax = fmaxf(amax, amax8(f));
+      }
+      row_scale = fp8_scale(warp_max(amax), a.min_amax);
+    }
     for (int base = 0; base < a.row_vecs; base += kWarpSize) {
       const int v = base + lane;
       const uint4 value = v < a.row_vecs ? x[v] : make_uint4(0, 0, 0, 0);
-      const float scale = fp8_group_scale(value);
+      const float group_scale = fp8_group_scale(value, a.min_amax);  // every lane takes part
+      const float scale = a.row_scale ? row_scale : group_scale;
       if (v >= a.row_vecs) continue;
       const uint2 q = fp8_quantise8(value, scale);
       const bool writes_scale = v % (kFp8GroupChannels / 8) == 0;

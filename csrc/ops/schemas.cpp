@@ -17,14 +17,23 @@ TORCH_LIBRARY(moe_comm, m) {
   m.def("emulated_link(int num_sms, int hold_ns) -> ()");
   m.def(
       "dispatch(Tensor x, Tensor topk_idx, Tensor topk_w, int num_experts, int capacity, int align, bool fp8, "
-      "int num_sms, int network_sms, int[] shape) -> (Tensor recv_x, Tensor tokens_per_expert, Tensor rank_pos, "
-      "Tensor send_idx, Tensor rail_counts, Tensor net_route, Tensor recv_info, Tensor slot_rows, Tensor slot_w, "
-      "Tensor slot_origin)");
+      "bool fp8_rows, int num_sms, int network_sms, int[] shape) -> (Tensor recv_x, Tensor tokens_per_expert, "
+      "Tensor rank_pos, Tensor send_idx, Tensor rail_counts, Tensor net_route, Tensor recv_info, Tensor slot_rows, "
+      "Tensor slot_w, Tensor slot_origin, Tensor recv_scale)");
   m.def(
       "combine(Tensor y, Tensor topk_w, Tensor rank_pos, Tensor send_idx, Tensor rail_counts, Tensor net_route, Tensor recv_info, "
-      "Tensor slot_rows, Tensor slot_w, Tensor slot_origin, bool weighted, int num_sms, int network_sms) -> Tensor");
+      "Tensor slot_rows, Tensor slot_w, Tensor slot_origin, bool weighted, bool fp8_grad, int num_sms, "
+      "int network_sms) -> Tensor");
   m.def(
       "combine_backward(Tensor grad_out, Tensor y, Tensor rank_pos, Tensor send_idx, Tensor rail_counts, "
-      "Tensor net_route, Tensor recv_info, Tensor slot_rows, Tensor slot_w, Tensor slot_origin, int num_sms, "
-      "int network_sms) -> (Tensor grad_y, Tensor grad_w)");
+      "Tensor net_route, Tensor recv_info, Tensor slot_rows, Tensor slot_w, Tensor slot_origin, bool fp8, "
+      "int num_sms, int network_sms) -> (Tensor grad_y, Tensor grad_w)");
+  // The FP8 experts' kernels (experts/ops.cpp). offsets: the grouped GEMM's int32 segment ends.
+  m.def("fp8_quantise_rows(Tensor x, Tensor offsets) -> (Tensor q, Tensor scale)");
+  m.def("fp8_gate(Tensor h13, Tensor offsets) -> (Tensor q, Tensor scale)");
+  m.def("fp8_gate_backward(Tensor h13, Tensor grad_h, Tensor offsets) -> (Tensor q, Tensor scale, "
+        "Tensor grad_h13, Tensor h)");
+  m.def("fp8_weights(Tensor a, Tensor? b) -> (Tensor q, Tensor scale, Tensor col_amax)");
+  m.def("fp8_weights_transposed(Tensor a, Tensor? b, Tensor col_amax) -> (Tensor q, Tensor scale)");
+  m.def("fp8_group_columns(Tensor x, Tensor? row_scale, Tensor offsets, int halves) -> (Tensor q, Tensor scale)");
 }

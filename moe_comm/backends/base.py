@@ -19,9 +19,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from moe_comm import gpus
+from moe_comm import fp8_experts, gpus
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
+from moe_comm.fp8_experts import Fp8Rows
 from moe_comm.layout import RunPlan
 
 
@@ -121,12 +122,16 @@ class DispatchResult:
     """What dispatch hands to the grouped experts, and what combine needs to undo it."""
 
     # Rows for the local experts, expert-major: expert 0's rows, then expert 1's, ...; each
-    # expert's segment is padded with zero rows to TorchTitan's TOKEN_GROUP_ALIGN_SIZE_M.
+    # expert's segment is padded with zero rows to TorchTitan's TOKEN_GROUP_ALIGN_SIZE_M. With
+    # recv_fp8 set: a zero-stride bf16 view of the rows' shape that carries their gradient
+    # (moe_comm.kernels.ops.dispatch_fp8_rows), not the rows.
     recv_x_RD: torch.Tensor
     # Rows per local expert including padding (what TorchTitan's grouped GEMM takes as offsets).
     tokens_per_expert_L: torch.Tensor
     # Backend-private state for combine (indices, splits, buffers).
     handle: Any
+    # [moe_comm] expert_dtype = "fp8": the rows in e4m3, one fp32 scale per row, for the FP8 experts.
+    recv_fp8: Fp8Rows | None = None
 
 
 class CommBackend(ABC):
@@ -144,6 +149,10 @@ class CommBackend(ABC):
     cuda_only: ClassVar[bool] = False
     # [moe_comm] dispatch_dtype values it takes (what dispatch puts on the links).
     dispatch_dtypes: ClassVar[tuple[str, ...]] = ("bf16",)
+    # Feeds [moe_comm] expert_dtype = "fp8": dispatch delivers the rows in e4m3, one scale per
+    # row (DispatchResult.recv_fp8), each quantised once.
+    feeds_fp8_experts: ClassVar[bool] = False
+    fp8_combine_grad: ClassVar[bool] = False  # takes [moe_comm] combine_grad_dtype = "fp8"
     # [moe_comm] overlap values it runs (moe_comm.titan.overlap): "chunked" needs calls that
     # run on a side stream and two dispatches in flight before their combines; "microbatch"
     # calls from two threads, one thread's between two sync points at a time.
@@ -168,7 +177,7 @@ class CommBackend(ABC):
     # The [moe_comm] fields that configure a backend (`backend` picks one, `peak_tflops` is MFU's).
     OPTIONS: ClassVar[tuple[str, ...]] = (
         "num_sms", "max_tokens_per_rank", "recv_capacity_factor", "dispatch_dtype", "virtual_node_size",
-        "network_sms", "wait_timeout_s",
+        "network_sms", "wait_timeout_s", "expert_dtype", "combine_grad_dtype",
     )
 
     @classmethod
@@ -252,6 +261,18 @@ class CommBackend(ABC):
                 f'[moe_comm] dispatch_dtype = "{o.dispatch_dtype}" is the nvshmem backend\'s; backend '
                 f'= "{cls.name}" sends the model\'s rows as they are: set dispatch_dtype = "bf16"'
             )
+        if o.combine_grad_dtype != "bf16" and not cls.fp8_combine_grad:
+            raise RecipeError(
+                f'[moe_comm] combine_grad_dtype = "{o.combine_grad_dtype}" is the nvshmem backend\'s; backend = '
+                f'"{cls.name}" sends the output gradient as it is: set combine_grad_dtype = "bf16"'
+            )
+        if o.expert_dtype == "fp8":
+            if not cls.feeds_fp8_experts:
+                raise RecipeError(
+                    f'[moe_comm] expert_dtype = "fp8" takes the experts\' rows in e4m3 from dispatch, each quantised '
+                    f'once; backend = "{cls.name}" cannot feed them: set backend = "nvshmem" or expert_dtype = "bf16"'
+                )
+            return fp8_experts.check_run(run)
         return []
 
     @classmethod

@@ -12,6 +12,15 @@ of its own (moe_comm.kernels.call_graphs; MOE_COMM_CUDA_GRAPHS=0 turns that off)
 dropped silently: a call that overflows a buffer, routes badly or waits past `wait_timeout_s`
 for a peer raises at the next call (or at `check_errors`), naming the field to change or the
 peer that did not answer.
+from the recipe, so a step can be captured in a CUDA graph. Nothing is dropped silently: a
+call that overflows a buffer, routes badly or waits past `wait_timeout_s` for a peer raises at
+the next call (or at `check_errors`), naming the field to change or the peer that did not answer.
+
+It feeds the FP8 experts ([moe_comm] expert_dtype = "fp8", moe_comm.fp8_experts): its layout
+kernel writes e4m3 rows with one fp32 scale per row, expert-major and padded as ever, straight
+from an FP8 wire (each row quantised once, by its sender, with one scale) or quantised once from a
+bf16 one; nothing is dequantised and quantised again. With combine_grad_dtype = "fp8" combine's
+backward sends the output gradient in FP8 dispatch's wire format.
 """
 
 from dataclasses import dataclass
@@ -19,11 +28,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_comm import fp8_experts
 from moe_comm.backends.base import (
     CommBackend, CostTraits, DispatchResult, MoELayerSpec, rows_in_compute_dtype, tokens_per_call,
 )
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
+from moe_comm.fp8_experts import Fp8Rows
 from moe_comm.kernels import call_graphs, capacity, emulated_link
 from moe_comm.kernels.limits import LIMITS
 from moe_comm.kernels.runtime import NvshmemRuntime, RuntimeRequest, load_library
@@ -50,6 +61,8 @@ class NvshmemBackend(CommBackend):
     name = "nvshmem"
     cuda_only = True
     dispatch_dtypes = ("bf16", "fp8")
+    feeds_fp8_experts = True
+    fp8_combine_grad = True
     overlap = ("none", "chunked", "microbatch")
     sends_once_per_rank = True
     IDENTITY_OPTIONS = ("num_sms", "dispatch_dtype", "virtual_node_size", "network_sms")
@@ -167,6 +180,18 @@ class NvshmemBackend(CommBackend):
                     f'[moe_comm] dispatch_dtype = "fp8" scales rows per {cls.fp8_block} channels; the '
                     f'flavor\'s hidden size {run.hidden} is not a multiple of it: use dispatch_dtype = "bf16"'
                 )
+        if o.combine_grad_dtype == "fp8":
+            if run.param_dtype and run.param_dtype != "bfloat16":
+                raise RecipeError(
+                    f'[moe_comm] combine_grad_dtype = "fp8" quantises the bf16 output gradient; [training] '
+                    f'mixed_precision_param is "{run.param_dtype}": set it to "bfloat16" or use combine_grad_dtype = '
+                    '"bf16"'
+                )
+            if run.hidden % cls.fp8_block:
+                raise RecipeError(
+                    f'[moe_comm] combine_grad_dtype = "fp8" scales rows per {cls.fp8_block} channels; the flavor\'s '
+                    f'hidden size {run.hidden} is not a multiple of it: use combine_grad_dtype = "bf16"'
+                )
         if run.ep > run.ranks_per_node:  # the EP group crosses real nodes: NVSHMEM needs the network
             if run.launch_env is None:
                 notes.append("NVSHMEM's InfiniBand settings not checked: the launch environment is not known here")
@@ -185,6 +210,8 @@ class NvshmemBackend(CommBackend):
 
     def __init__(self, layer: MoELayerSpec, ep_group: dist.ProcessGroup, config: MoEComm):
         super().__init__(layer, ep_group, config)  # check_run: what the kernels cannot run is refused here
+        if config.expert_dtype == "fp8":
+            fp8_experts.require_device(torch.device("cuda", torch.cuda.current_device()))
         load_library(ep_group)
         self.runtime: NvshmemRuntime | None = None
         self.capacity = 0  # expert rows of the last dispatch
@@ -262,20 +289,33 @@ class NvshmemBackend(CommBackend):
                 f"{x_TD.shape[0]} tokens in one call exceed the {sizes.tokens} that [moe_comm] max_tokens_per_rank = "
                 f"{self.config.max_tokens_per_rank} allows per call (overlap = {self.config.overlap!r})"
             )
-        align = token_group_alignment()
+        fp8_rows = self.config.expert_dtype == "fp8"
+        align = max(token_group_alignment(), fp8_experts.ROW_ALIGN) if fp8_rows else token_group_alignment()
         self.capacity = capacity.expert_rows(sizes.tokens, self.layer.num_experts, self.layer.top_k, self.ep_size,
                                              self.config.recv_capacity_factor, align)
+        if fp8_rows:  # so that even segments clamped at an overflow keep the FP8 GEMMs' 16-row rule
+            self.capacity = -(-self.capacity // fp8_experts.ROW_ALIGN) * fp8_experts.ROW_ALIGN
         topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
         topk_w_TK = topk_w_TK.to(torch.float32).contiguous()
-        recv_x_RD, tokens_per_expert_L, *handle = call_graphs.run(self.graphs, "dispatch", (
-            x_TD.contiguous(), topk_idx_TK, topk_w_TK, self.layer.num_experts, self.capacity, align,
-            self.config.dispatch_dtype == "fp8", self.config.num_sms, self.network_sms, sizes.shape,
-        ))
+        args = (x_TD.contiguous(), topk_idx_TK, topk_w_TK, self.layer.num_experts, self.capacity, align,
+                self.config.dispatch_dtype == "fp8")
+        if fp8_rows:  # an autograd Function of its own (ops.dispatch_fp8_rows says why): eager, not graphed
+            from moe_comm.kernels.ops import dispatch_fp8_rows
+
+            rows_grad_RD, recv_q_RD, recv_scale_R, tokens_per_expert_L, *handle = dispatch_fp8_rows(
+                *args, self.config.num_sms, self.network_sms, sizes.shape)
+            rows_grad_RD = emulated_link.hold(rows_grad_RD, self.emulated_link, "dispatch", x_TD.shape[0],
+                                              self.config.num_sms)
+            return DispatchResult(rows_grad_RD, tokens_per_expert_L, NvshmemHandle(topk_w_TK, tuple(handle)),
+                                  Fp8Rows(recv_q_RD, recv_scale_R))
+        recv_x_RD, tokens_per_expert_L, *handle, _ = call_graphs.run(
+            self.graphs, "dispatch", (*args, False, self.config.num_sms, self.network_sms, sizes.shape))
         recv_x_RD = emulated_link.hold(recv_x_RD, self.emulated_link, "dispatch", x_TD.shape[0], self.config.num_sms)
         return DispatchResult(recv_x_RD, tokens_per_expert_L, NvshmemHandle(topk_w_TK, tuple(handle)))
 
     def combine(self, y_RD: torch.Tensor, handle: NvshmemHandle) -> torch.Tensor:
         out_TD = call_graphs.run(self.graphs, "combine", (
-            y_RD.contiguous(), handle.topk_w_TK, *handle.tensors, True, self.config.num_sms, self.network_sms,
+            y_RD.contiguous(), handle.topk_w_TK, *handle.tensors, True, self.config.combine_grad_dtype == "fp8",
+            self.config.num_sms, self.network_sms,
         ))
         return emulated_link.hold(out_TD, self.emulated_link, "combine", out_TD.shape[0], self.config.num_sms)

@@ -14,11 +14,12 @@ E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_AMAX = 1e-4  # a group's amax is raised to this, so an all-zero group gets a finite scale
 
 
-def round_trip(x_TD: torch.Tensor, group: int = GROUP_CHANNELS) -> torch.Tensor:
+def round_trip(x_TD: torch.Tensor, group: int = GROUP_CHANNELS, min_amax: float = MIN_AMAX) -> torch.Tensor:
     """bf16 rows quantised to e4m3 with one fp32 scale per `group` channels and back to bf16:
-    what FP8 dispatch must deliver, bit for bit."""
+    what FP8 dispatch must deliver, bit for bit (combine's backward in FP8 floors a gradient
+    group's amax at 1e-30 instead of MIN_AMAX)."""
     t, d = x_TD.shape
     x_TGC = x_TD.float().view(t, d // group, group)
-    scale_TG1 = x_TGC.abs().amax(dim=2, keepdim=True).clamp(min=MIN_AMAX) / E4M3_MAX
+    scale_TG1 = x_TGC.abs().amax(dim=2, keepdim=True).clamp(min=min_amax) / E4M3_MAX
     q_TGC = (x_TGC / scale_TG1).to(torch.float8_e4m3fn)
     return (q_TGC.float() * scale_TG1).view(t, d).to(torch.bfloat16)

@@ -32,6 +32,7 @@ backend, that records per MoE layer
 Set MOE_COMM_INSTRUMENT=0 to get the bare backend back (to measure this module's cost).
 """
 
+import dataclasses
 import math
 import os
 import time
@@ -307,7 +308,7 @@ class InstrumentedBackend:
         recv_x_RD = result.recv_x_RD
         if recv_x_RD.requires_grad:
             recv_x_RD = _OnBackward.apply(recv_x_RD, backward.begin)
-        return DispatchResult(recv_x_RD, result.tokens_per_expert_L, result.handle)
+        return dataclasses.replace(result, recv_x_RD=recv_x_RD)
 
     def _first_dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor

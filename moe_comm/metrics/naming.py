@@ -60,6 +60,9 @@ def run_identity(job_config, nodes: int, procs_per_node: int) -> dict[str, Any]:
     backend: dict[str, Any] = {"backend": config.backend, **backend_class(config.backend).identity_options(config)}
     if config.overlap != "none":  # absent when off, so runs from before the field keep their identity
         backend["overlap"] = config.overlap
+    for field in ("expert_dtype", "combine_grad_dtype"):  # the same: absent at their default, bf16
+        if getattr(config, field) != "bf16":
+            backend[field] = getattr(config, field)
     world = nodes * procs_per_node
     others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
     dp_shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else world // max(others, 1)
@@ -95,6 +98,10 @@ def _backend_tag(identity: dict[str, Any]) -> str:
         tag += f"-net{identity['network_sms']}"
     if identity.get("overlap"):
         tag += f"-{identity['overlap']}"
+    if identity.get("expert_dtype"):
+        tag += f"-experts{identity['expert_dtype']}"
+    if identity.get("combine_grad_dtype"):
+        tag += f"-cgrad{identity['combine_grad_dtype']}"
     return tag
 
 

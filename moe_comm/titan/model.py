@@ -41,6 +41,7 @@ from torchtitan.models.moe import MoE
 from torchtitan.models.moe import moe as titan_moe
 from torchtitan.models.moe.moe import GroupedExperts, MoEArgs
 
+from moe_comm import fp8_experts
 from moe_comm.backends.base import CommBackend
 from moe_comm.titan import attention, overlap, recompute
 
@@ -56,16 +57,28 @@ class TokenLevelExperts(GroupedExperts):
     scattered a second time, so once `rows_from_backend` is set the grouped GEMM runs on them as
     they are, at every EP degree. Chunks run in one call so FSDP gathers and reduces the expert
     weights once per layer however many chunks there are (two calls would gather twice and
-    reduce-scatter a partial gradient)."""
+    reduce-scatter a partial gradient).
+
+    With `[moe_comm] expert_dtype = "fp8"` the backend hands the rows in e4m3 (`fp8_rows`) and the
+    grouped GEMMs run in FP8 (moe_comm.fp8_experts), on the same parameters."""
 
     rows_from_backend: bool = False
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                fp8_rows: "fp8_experts.Fp8Rows | None" = None) -> torch.Tensor:
+        if fp8_rows is not None:  # x carries the rows' gradient (a zero-stride view), not the rows
+            return fp8_experts.grouped_experts(*self._local_weights(), x, fp8_rows, num_tokens_per_expert)
+        if x.dim() == 2 and x.numel() and x.stride() == (0, 0):
+            raise RuntimeError("the experts got the gradient carrier of FP8 rows without the rows: with [moe_comm] "
+                               'expert_dtype = "fp8" pass DispatchResult.recv_fp8 to the experts')
         if not (self.rows_from_backend and self.use_grouped_mm):
             return super().forward(x, num_tokens_per_expert)
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         # looked up at call time: TorchTitan's apply_compile swaps in a compiled version
-        return titan_moe._run_experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
+        return titan_moe._run_experts_grouped_mm(*self._local_weights(), x, num_tokens_per_expert)
+
+    def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w1, w2, w3 as this rank's local tensors (its shard of the experts under EP)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
 
     def forward_chunks(
         self,
@@ -130,7 +143,7 @@ class TokenLevelMoE(MoE):
         # recv_x_RD: this rank's experts' rows, expert-major, each segment padded for grouped_mm
         # (under activation checkpointing, the recompute replays what the forward's calls returned)
         dispatched = recompute.dispatch(self.comm_backend, x_TD, topk_idx_TK, topk_w_TK)
-        y_RD = self.experts(dispatched.recv_x_RD, dispatched.tokens_per_expert_L)
+        y_RD = self.experts(dispatched.recv_x_RD, dispatched.tokens_per_expert_L, dispatched.recv_fp8)
         # back to token order, weighted by topk_w_TK (fp32 accumulation)
         routed_out_TD = recompute.combine(self.comm_backend, y_RD, dispatched.handle)
 

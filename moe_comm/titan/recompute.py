@@ -165,7 +165,7 @@ def dispatch(backend, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: 
     """backend.dispatch, kept in a checkpointed forward and replayed in its recompute."""
     if replaying():
         r = _take("dispatch")
-        return DispatchResult(_replayed(r.recv_x_RD), r.tokens_per_expert_L, r.handle)
+        return DispatchResult(_replayed(r.recv_x_RD), r.tokens_per_expert_L, r.handle, r.recv_fp8)
     result = _run(backend.dispatch, x_TD, topk_idx_TK, topk_w_TK)
     if _frames():
         _frames()[-1].kept.append(("dispatch", result))

@@ -33,6 +33,7 @@ from oracles import (  # noqa: E402
     apply_experts,
     expert_params,
     forwarded_slots,
+    fp8_rows,
     gather_cpu,
     reference_forward,
     reference_layout,
@@ -67,14 +68,15 @@ class Cases:
         # gloo (ranks sharing a GPU) takes CPU tensors, NCCL GPU ones.
         self.collective_device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.device
 
-    def config(self, factor=0.0, fp8=False):
+    def config(self, factor=0.0, fp8=False, **fields):
         return MoEComm(backend="nvshmem", num_sms=NUM_SMS, max_tokens_per_rank=MAX_TOKENS, recv_capacity_factor=factor,
                        virtual_node_size=self.virtual_node, wait_timeout_s=TIMEOUT_S,
-                       dispatch_dtype="fp8" if fp8 else "bf16")
+                       dispatch_dtype="fp8" if fp8 else "bf16", **fields)
 
-    def backend(self, num_experts, top_k, hidden, factor=0.0, fp8=False):
+    def backend(self, num_experts, top_k, hidden, factor=0.0, fp8=False, **fields):
+        """fields: more [moe_comm] fields (expert_dtype, combine_grad_dtype)."""
         layer = MoELayerSpec(num_experts=num_experts, top_k=top_k, hidden=hidden)
-        return NvshmemBackend(layer, self.group, self.config(factor, fp8))
+        return NvshmemBackend(layer, self.group, self.config(factor, fp8, **fields))
 
     def route(self, T, E, K, mode, g):
         return routing(T, E, K, mode, g, self.device, self.rank, self.world, self.G)
@@ -184,6 +186,150 @@ class Cases:
         close(out, nccl_ref[0], tol, "forward (vs nccl)")
         close(gx, nccl_ref[1], tol, "grad x (vs nccl)")
         close(gw, nccl_ref[2], gw_tol, "grad w (vs nccl)")
+
+    def layout_fp8_rows(self, num_tokens, hidden, num_experts, top_k, mode, seed, fp8_wire):
+        """The FP8 experts' rows: e4m3 with one scale per row, in the expert-major layout, equal to
+        the oracle's rowwise quantisation of each token bit for bit, whether the sender quantised
+        them (an FP8 wire, one scale per row in every group) or the receiver's layout kernel did
+        (a bf16 wire); padding rows zero with scale 1; counts padded to 16."""
+        g = torch.Generator().manual_seed(seed * 100 + self.rank)
+        x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+        x[::7] *= 1e-6  # rows below the activation floor (amax 1e-4) take the floor's scale on both sides
+        x = x.to(self.device)
+        idx, w = self.route(num_tokens, num_experts, top_k, mode, g)
+        backend = self.backend(num_experts, top_k, hidden, fp8=fp8_wire, expert_dtype="fp8")
+        L = num_experts // self.world
+        result = backend.dispatch(x, idx, w)
+        backend.combine(torch.zeros(result.recv_x_RD.shape, dtype=torch.bfloat16, device=self.device),
+                        result.handle)  # dispatch and combine stay paired on every rank
+        torch.cuda.synchronize()
+        backend.check_errors(synchronize=True)
+        codes, scales = fp8_rows(x.cpu())
+        node = self.rank // self.G
+        sources = sorted(range(self.world), key=lambda s: (s % self.G, (s // self.G - node) % self.N))
+        codes_s, scales_s, idxs = gather_cpu(codes), gather_cpu(scales[:, None]), gather_cpu(idx)
+        ref_codes, ref_counts = reference_layout(codes_s, idxs, self.rank, L, 16, sources)
+        ref_scales, _ = reference_layout(scales_s, idxs, self.rank, L, 16, sources)
+        counts = result.tokens_per_expert_L.cpu()
+        assert torch.equal(counts, ref_counts), f"tokens_per_expert {counts.tolist()} != {ref_counts.tolist()}"
+        assert result.recv_fp8 is not None and result.recv_fp8.data_RD.dtype == torch.float8_e4m3fn
+        n = int(counts.sum())
+        got_codes = result.recv_fp8.data_RD[:n].view(torch.uint8).cpu()
+        got_scales = result.recv_fp8.scale_R[:n].cpu()
+        assert torch.equal(got_codes, ref_codes), "e4m3 rows differ from the oracle's rowwise quantisation"
+        real = ref_scales[:, 0] != 0  # the oracle pads with scale 0, the kernels with 1
+        assert torch.equal(got_scales[real], ref_scales[real, 0]), "row scales differ from the oracle's"
+        assert torch.equal(got_scales[~real], torch.ones(int((~real).sum()))), "padding rows' scale is not 1"
+        assert result.recv_x_RD.stride() == (0, 0) and result.recv_x_RD.shape == result.recv_fp8.data_RD.shape
+
+    def grad_fp8_experts(self, num_tokens, hidden, num_experts, top_k, seed, fp8_wire, mode="random"):
+        """Autograd through FP8 rows: experts y = rows * a_e + b_e on the dequantised e4m3 rows,
+        taking the gradient carrier; output, grad x and grad w against the reference on the
+        rows' rowwise round trip (the gradient passes the quantisation straight through)."""
+        g = torch.Generator().manual_seed(seed * 7 + self.rank)
+        x0 = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
+        idx, w0 = self.route(num_tokens, num_experts, top_k, mode, g)
+        grad_out = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
+        a, b = expert_params(num_experts, hidden, torch.bfloat16, self.device, seed)
+        L = num_experts // self.world
+        backend = self.backend(num_experts, top_k, hidden, fp8=fp8_wire, expert_dtype="fp8")
+        xx = x0.detach().clone().requires_grad_(True)
+        ww = w0.detach().clone().requires_grad_(True)
+        res = backend.dispatch(xx, idx, ww)
+        y = AffineOnFp8Rows.apply(res.recv_x_RD, res.recv_fp8.data_RD, res.recv_fp8.scale_R, res.tokens_per_expert_L,
+                                  a[self.rank * L:(self.rank + 1) * L])  # bias below, on the carrier's side
+        y = y + apply_experts(torch.zeros_like(y), res.tokens_per_expert_L, self.rank * L, torch.zeros_like(a), b)
+        out = backend.combine(y, res.handle)
+        (out.float() * grad_out.float()).sum().backward()
+        backend.check_errors(synchronize=True)
+        codes, scales = fp8_rows(x0.cpu())
+        x_rt = (codes.view(torch.float8_e4m3fn).float() * scales[:, None]).to(torch.bfloat16)
+        xr = x_rt.float().requires_grad_(True)
+        wr = w0.detach().cpu().clone().requires_grad_(True)
+        ref = reference_forward(xr, idx.cpu(), wr, a.cpu(), b.cpu())
+        (ref * grad_out.float().cpu()).sum().backward()
+        for what, got, want, tol in (("forward", out, ref.detach(), 3e-2), ("grad x", xx.grad, xr.grad, 3e-2),
+                                     ("grad w", ww.grad, wr.grad, 5e-2)):
+            err = (got.float().cpu() - want.float()).abs().max().item()
+            assert err <= tol * max(1.0, want.float().abs().max().item()), f"{what} differs by {err}"
+
+    def grad_fp8_combine_backward(self, num_tokens, hidden, num_experts, top_k, seed, grad_scale, mode="random"):
+        """combine_grad_dtype = "fp8": the output gradient travels as e4m3 with per-128 scales,
+        quantised by the sender at every world size. grad x and grad w equal the reference fed with
+        that gradient's round trip (gradient floor 1e-30: a gradient of 1e-9 keeps its
+        precision), and stand measurably apart from the one fed with the exact gradient."""
+        g = torch.Generator().manual_seed(seed * 11 + self.rank)
+        x0 = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
+        idx, w0 = self.route(num_tokens, num_experts, top_k, mode, g)
+        grad_out = (torch.randn(num_tokens, hidden, generator=g) * grad_scale).to(torch.bfloat16).to(self.device)
+        a, b = expert_params(num_experts, hidden, torch.bfloat16, self.device, seed)
+        L = num_experts // self.world
+        backend = self.backend(num_experts, top_k, hidden, combine_grad_dtype="fp8")
+        xx = x0.detach().clone().requires_grad_(True)
+        ww = w0.detach().clone().requires_grad_(True)
+        res = backend.dispatch(xx, idx, ww)
+        y = apply_experts(res.recv_x_RD, res.tokens_per_expert_L, self.rank * L, a, b)
+        out = backend.combine(y, res.handle)
+        out.backward(grad_out)
+        backend.check_errors(synchronize=True)
+
+        def reference(g_out):
+            xr = x0.detach().float().cpu().requires_grad_(True)
+            wr = w0.detach().cpu().clone().requires_grad_(True)
+            ref = reference_forward(xr, idx.cpu(), wr, a.cpu(), b.cpu())
+            ref.backward(g_out.float().cpu())
+            return xr.grad, wr.grad
+
+        def err(got, want):
+            return (got.float().cpu() - want.float()).abs().max().item() / want.float().abs().max().item()
+
+        fp8_gx, fp8_gw = reference(fp8_round_trip(grad_out.cpu(), min_amax=1e-30))
+        exact_gx, exact_gw = reference(grad_out)
+        assert err(xx.grad, fp8_gx) <= 3e-2 and err(ww.grad, fp8_gw) <= 5e-2, (err(xx.grad, fp8_gx), err(ww.grad, fp8_gw))
+        # the FP8 wire was taken: the exact gradient's answer is further off than bf16 rounding explains
+        assert err(xx.grad, exact_gx) > 2 * err(xx.grad, fp8_gx), (err(xx.grad, exact_gx), err(xx.grad, fp8_gx))
+
+    def moe_layer_fp8_experts_ep1(self, num_tokens, hidden, num_experts, top_k, seed):
+        """World 1, what the one-GPU recipe runs: TorchTitan's MoE layer through the nvshmem backend
+        with FP8 experts (and FP8 dispatch) against the same layer with bf16 experts: output, grad x
+        and every parameter's gradient within FP8's tolerance (10% relative L2: see
+        tests/test_fp8_experts_gpu.py)."""
+        import copy
+
+        from torchtitan.models.moe.moe import MoEArgs
+
+        from moe_comm.titan.model import TokenLevelMoE
+
+        args = MoEArgs(num_experts=num_experts, num_shared_experts=1, top_k=top_k, score_func="sigmoid",
+                       route_norm=True, route_scale=2.5, num_expert_groups=4, num_limited_groups=2)
+        torch.manual_seed(seed)
+        bf16_layer = TokenLevelMoE(args, dim=hidden, hidden_dim=hidden // 2).to(self.device)
+        for p in bf16_layer.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        bf16_layer = bf16_layer.to(torch.bfloat16)
+        fp8_layer = copy.deepcopy(bf16_layer)
+        bf16_layer.comm_backend = self.backend(num_experts, top_k, hidden)
+        fp8_layer.comm_backend = self.backend(num_experts, top_k, hidden, fp8=True, expert_dtype="fp8")
+        for m in (bf16_layer, fp8_layer):
+            m.experts.rows_from_backend = True
+        g = torch.Generator().manual_seed(seed)
+        x0 = torch.randn(1, num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
+        grad_out = (torch.randn(1, num_tokens, hidden, generator=g) * 1e-4).to(torch.bfloat16).to(self.device)
+        got = {}
+        for name, m in (("bf16", bf16_layer), ("fp8", fp8_layer)):
+            x = x0.clone().requires_grad_(True)
+            out = m(x)
+            out.backward(grad_out)
+            got[name] = {"out": out.detach().float(), "grad x": x.grad.float(),
+                         **{f"grad {k}": p.grad.float() for k, p in m.named_parameters()}}
+        fp8_layer.comm_backend.check_errors(synchronize=True)
+        errors = {}
+        for what, want in got["bf16"].items():
+            have = got["fp8"][what]
+            errors[what] = ((have - want).norm() / want.norm()).item()
+        print(f"[rank {self.rank}] FP8 experts against bf16, relative L2: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()), flush=True)
+        assert all(v <= 0.10 for v in errors.values()), errors
 
     def moe_layer_ep1_against_nccl(self, num_tokens, hidden, num_experts, top_k, seed):
         """World 1, what a one-GPU training step runs: TorchTitan's MoE layer (router with
@@ -539,6 +685,27 @@ class Cases:
         print(f"[rank {self.rank}] raised after {elapsed:.1f} s: {raised.splitlines()[0][:300]}", flush=True)
 
 
+class AffineOnFp8Rows(torch.autograd.Function):
+    """Oracle experts for FP8 rows: y = dequant(rows) * a_e on each expert's segment (padding
+    zero), differentiable through the rows' gradient carrier: grad = grad_y * a_e."""
+
+    @staticmethod
+    def forward(ctx, carrier, q, scale, tokens_per_expert, a):
+        x = q.float() * scale[:, None]
+        factor = torch.zeros(x.shape[0], a.shape[1], device=x.device)
+        start = 0
+        for e, n in enumerate(tokens_per_expert.tolist()):
+            factor[start:start + n] = a[e].float()
+            start += n
+        ctx.save_for_backward(factor)
+        return (x * factor).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (factor,) = ctx.saved_tensors
+        return (grad_y.float() * factor).to(torch.bfloat16), None, None, None, None
+
+
 def main():
     faulthandler.enable()
     parser = argparse.ArgumentParser()
@@ -579,9 +746,18 @@ def main():
         log.run("overlap_layer_matches_plain", c.overlap_layer)
         log.run("overlap_microbatch_calls_in_flight", c.overlap_microbatch_calls, 2048, 16 * W, 8, 10)
         log.run("overlap_microbatch_layer_matches_plain", c.overlap_microbatch_layer)
+        log.run("layout_fp8_rows_fp8_wire", c.layout_fp8_rows, 512, 7168, 32 * W, 8, "random", 31, True)
+        log.run("layout_fp8_rows_bf16_wire", c.layout_fp8_rows, 512, 7168, 32 * W, 8, "random", 31, False)
+        log.run("layout_fp8_rows_every_node", c.layout_fp8_rows, 256, 2048, 16 * W, 8, "every_node", 32, True)
+        log.run("grad_fp8_experts_fp8_wire", c.grad_fp8_experts, 256, 2048, 16 * W, 8, 33, True)
+        log.run("grad_fp8_experts_bf16_wire", c.grad_fp8_experts, 256, 2048, 16 * W, 8, 34, False, "every_node")
+        log.run("grad_fp8_combine_backward", c.grad_fp8_combine_backward, 256, 7168, 32 * W, 8, 35, 1.0)
+        log.run("grad_fp8_combine_backward_tiny_gradient", c.grad_fp8_combine_backward, 256, 2048, 16 * W, 8, 36,
+                1e-9, "every_node")
         if W == 1:
             log.run("moe_layer_ep1_against_nccl", c.moe_layer_ep1_against_nccl, 1024, 2048, 16, 4, 21)
             log.run("emulated_link_holds", c.emulated_link_holds, 2048, 16, 8)
+            log.run("moe_layer_fp8_experts_ep1", c.moe_layer_fp8_experts_ep1, 1024, 2048, 16, 4, 37)
     merged = log.merged()
     error_at = [None] * c.world
     dist.all_gather_object(error_at, getattr(c, "error_at", None))

@@ -9,7 +9,8 @@ Pure torch on CPU tensors, so the same checks run against the nvshmem kernels on
   - combine with unit weights divided by the fan-out equals the input;
   - outputs and gradients (x and routing weights) against a pure-torch reference;
   - FP8 dispatch: rows equal quantise-dequantise in pure torch, bit for bit
-    (moe_comm.kernels.fp8_format.round_trip);
+    (moe_comm.kernels.fp8_format.round_trip); for the FP8 experts, e4m3 rows with one scale per
+    row, bit for bit (fp8_rows);
   - the hierarchical path: slots each forwarder delivers, against a count from the routing.
 """
 
@@ -98,6 +99,14 @@ def reference_forward(x, idx, w, a, b):
     x32, a32, b32 = x.float(), a.float(), b.float()
     y = x32[:, None, :] * a32[idx] + b32[idx]  # [T, K, D]
     return (w[:, :, None] * y).sum(dim=1)
+
+
+def fp8_rows(x):
+    """bf16 rows quantised to e4m3 with one fp32 scale per row (amax / 448, amax at least 1e-4):
+    the rows the FP8 experts must receive, bit for bit. Returns (codes as uint8, scales)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-4) / 448.0
+    return (xf / scale).to(torch.float8_e4m3fn).view(torch.uint8), scale.squeeze(1)
 
 
 def forwarded_slots(idxs, rank, num_experts, ranks_per_node):

@@ -1,0 +1,70 @@
+// The gate's backward, fused with the quantisation of its result. For h = silu(h1) * h3 and
+// dh = dL/dh (the dgrad GEMM's bf16 output), in fp32:
+//   dh1 = dh * h3 * s * (1 + h1 * (1 - s)),  s = sigmoid(h1)
+//   dh3 = dh * silu(h1)
+// dh13 = [dh1 | dh3] is quantised with one scale per row (the next dgrad GEMM's left operand)
+// and also stored in bf16, with h in bf16: the weight gradients' operands. One read of h13 and
+// dh per row.
+#include <cuda_bf16.h>
+
+#include "common/launch.h"
+#include "experts/rows.cuh"
+
+namespace moe_comm {
+
+__global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBackwardArgs a) {
+  __shared__ float scratch[kRowThreads / kWarpSize];
+  const int64_t rows = rows_used(a.offsets, a.groups);
+  const int vecs = a.inter / 8;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const uint4* h1 = static_cast<const uint4*>(a.h13) + row * 2 * vecs;
+    const uint4* h3 = h1 + vecs;
+    const uint4* dh = static_cast<const uint4*>(a.grad_h) + row * vecs;
+    uint4* out_dh1 = static_cast<uint4*>(a.grad_h13) + row * 2 * vecs;
+    uint4* out_dh3 = out_dh1 + vecs;
+    uint4* out_h = static_cast<uint4*>(a.h) + row * vecs;
+    float d1[kRowVecs][8], d3[kRowVecs][8];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRowVecs; ++i) {
+      const int v = threadIdx.x + i * kRowThreads;
+      if (v < vecs) {
+        float gate[8], up[8], grad[8], h[8];
+        bf16x8_to_floats(h1[v], gate);
+        bf16x8_to_floats(h3[v], up);
+        bf16x8_to_floats(dh[v], grad);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float s = sigmoid(gate[e]);
+          const float act = gate[e] * s;
+          d1[i][e] = grad[e] * up[e] * s * (1.f + gate[e] * (1.f - s));
+          d3[i][e] = grad[e] * act;
+          h[e] = act * up[e];
+        }
+        out_dh1[v] = floats_to_bf16x8(d1[i]);
+        out_dh3[v] = floats_to_bf16x8(d3[i]);
+        out_h[v] = floats_to_bf16x8(h);
+        amax = fmaxf(amax, fmaxf(amax8(d1[i]), amax8(d3[i])));
+      }
+    }
+    const float scale = fp8_scale(block_max(amax, scratch), kFp8MinAmaxSmall);
+    uint2* q1 = reinterpret_cast<uint2*>(a.q + row * 2 * a.inter);
+    uint2* q3 = q1 + vecs;
+#pragma unroll
+    for (int i = 0; i < kRowVecs; ++i) {
+      const int v = threadIdx.x + i * kRowThreads;
+      if (v < vecs) {
+        q1[v] = fp8_quantise_floats8(d1[i], scale);
+        q3[v] = fp8_quantise_floats8(d3[i], scale);
+      }
+    }
+    if (threadIdx.x == 0) a.scale[row] = scale;
+  }
+}
+
+void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
+  gate_backward_kernel<<<row_blocks(rows, sm_count), kRowThreads, 0, stream>>>(a);
+  MOE_COMM_CHECK_LAUNCH("fp8_gate_backward");
+}
+
+}  // namespace moe_comm

@@ -1,0 +1,214 @@
+"""The routed experts in FP8 ([moe_comm] expert_dtype = "fp8").
+
+TorchTitan's SwiGLU experts, h = silu(x W1^T) * (x W3^T) and y = h W2^T per expert, with every
+grouped GEMM in e4m3 through torch's `torch._scaled_grouped_mm` (SM90 CUTLASS, fast
+accumulation, bf16 out). On torch 2.11 it takes rowwise scales only on Hopper: one fp32 scale per
+row of the left operand and one per output channel of the right (no 1x128 blocks on SM90). On
+operands already in e4m3 its GEMMs beat bf16's clearly at the flagship rank's rows; what made
+torchao's float8 recipe slower than bf16 was quantising in eager PyTorch (results/h200x1/README.md,
+/work/shared/NOTES.md section 10). So nothing here is quantised twice or in eager mode:
+
+- activations: one scale per row (a token-expert row). The experts' input rows come from
+  dispatch already in e4m3 (`Fp8Rows`), quantised once: by the sender with one scale for the
+  whole row when dispatch_dtype = "fp8" (the wire keeps FP8 dispatch's format, every 128-channel
+  group carrying the row's scale) and kept so to the GEMM, or by the receiver's layout kernel
+  with dispatch_dtype = "bf16". No dequantise-requantise.
+- weights: one scale per output channel per expert, quantised from the parameters (the bf16
+  weights FSDP gathers, fp32 at world 1) at every forward, i.e. once per step per microbatch,
+  by a kernel of ours that also records each column's amax for the transposed copy dgrad needs.
+- between the GEMMs: one fused kernel computes silu(h1) * h3 and quantises it; in the backward
+  one fused kernel computes the gate's gradient and quantises it.
+
+The GEMMs (R rows, D hidden, I inter; W13 = [W1 | W3] makes the first one GEMM):
+  forward  h13 = x W13^T      x per row, W13 per output channel         [R, 2I]
+           y   = h W2^T       h = silu(h1) h3 per row, W2 per output ch  [R, D]
+  dgrad    dh  = dy W2        dy per row, W2^T per column of W2          [R, I]
+           dx  = dh13 W13     dh13 per row, W13^T per column of W13      [R, D]
+  wgrad    dW2 = dy^T h,  dW1 | dW3 = dh13^T x, per expert: both operands per (expert, channel)
+           over the expert's rows, transposed (FP8 tensor cores take both operands K-major).
+
+Which gradients are FP8, and why: every GEMM of the backward is. dgrad because its operands are
+rowwise like the forward's (dy and dh13 are quantised once each, by fused kernels). wgrad because
+it is a third of the experts' FLOPs: in bf16 it costs about as much as the whole FP8 forward, and
+FP8 experts at three quarters of bf16's time (the layer benchmark's target) are out of reach
+without it. Its price is a second quantisation of x, dy, h and dh13 along the tokens (one kernel
+each, two passes over the rows; the benchmark times it apart) and coarser scales (one per channel
+over all of an expert's rows), the recipe torchao's float8 grouped GEMMs use too. `wgrad_fp8=False`
+(bf16 weight gradients from the dequantised rows) stays for the layer benchmark's comparison of
+the two. Every gradient leaves in bf16: the routing and combine around the experts stay bf16.
+
+Rows are expert-major and padded as dispatch lays them out: expert e's rows end at
+cumsum(tokens_per_expert)[e], each segment a multiple of ROW_ALIGN (the FP8 GEMMs' 16-byte
+rule); rows past the last segment are never read.
+"""
+
+import torch
+
+from moe_comm import gpus
+from moe_comm.errors import RecipeError
+from moe_comm.kernels import fp8
+
+# Rows per expert segment are padded to this: FP8 grouped GEMMs need each segment's start on 16
+# bytes of e4m3 (the token dimension is the contraction in wgrad).
+ROW_ALIGN = 16
+# The widest hidden size and expert inter dim the row kernels hold in registers
+# (csrc/experts/experts.h kMaxRowChannels).
+MAX_CHANNELS = 8192
+# GPU models of the Hopper generation (SM 9.0), where torch's rowwise FP8 grouped GEMM runs.
+HOPPER = ("H100", "H200")
+
+
+class Fp8Rows:
+    """The rows dispatch hands the FP8 experts: e4m3 [R, D] with one fp32 scale per row [R],
+    expert-major and padded like DispatchResult.recv_x_RD (padding rows zero, scale 1).
+
+    A plain class on purpose: FSDP's mixed-precision input cast walks tuples, dicts and
+    dataclasses, and would turn both tensors into bf16 on their way into the experts module."""
+
+    __slots__ = ("data_RD", "scale_R")
+
+    def __init__(self, data_RD: torch.Tensor, scale_R: torch.Tensor):
+        self.data_RD = data_RD
+        self.scale_R = scale_R
+
+
+def check_run(run) -> list[str]:
+    """Where FP8 experts cannot run, a RecipeError naming the field and the fix; what could not
+    be verified before launch, as notes. `run` is a moe_comm.backends.RunPlan whose backend
+    feeds FP8 rows (the backend class checks that)."""
+    o = run.options
+    fix = 'set [moe_comm] expert_dtype = "bf16"'
+    if run.device != "cuda":
+        raise RecipeError(f'[moe_comm] expert_dtype = "fp8" runs FP8 grouped GEMMs on Hopper GPUs; this run is on '
+                          f"{run.device}: {fix}")
+    gpu = gpus.lookup(run.gpu) if run.gpu else None
+    notes = []
+    if gpu is not None and not gpu.model.startswith(HOPPER):
+        raise RecipeError(
+            f'[moe_comm] expert_dtype = "fp8" runs torch\'s rowwise FP8 grouped GEMM, written for Hopper (SM 9.0); '
+            f"on {gpu.model} the FP8 recipe is MXFP8 grouped GEMMs through torchao: {fix} and [model] converters = "
+            '["quantize.grouped_mm.mx"] (recipes/deepseek_v3_671b_b200_mxfp8.toml)')
+    if gpu is None:
+        notes.append('expert_dtype = "fp8": the GPU is not known here; the start-up refuses anything but Hopper')
+    grouped = [c for c in run.converters if c.startswith("quantize.grouped_mm.")]
+    if grouped:
+        raise RecipeError(f'[moe_comm] expert_dtype = "fp8" and [model] converters = {grouped} both quantise the '
+                          f"routed experts' grouped GEMMs: choose one ({fix}, or drop the grouped_mm converter)")
+    if o.overlap != "none" or run.dual_pipe_v:
+        what = f'[moe_comm] overlap = "{o.overlap}"' if o.overlap != "none" else "DualPipeV's EP overlap"
+        raise RecipeError(f'[moe_comm] expert_dtype = "fp8" runs with overlap = "none" only (its rows do not yet '
+                          f"cross between the overlap's streams); {what} is set: set overlap = \"none\" or {fix}")
+    if run.param_dtype and run.param_dtype != "bfloat16":
+        raise RecipeError(f'[moe_comm] expert_dtype = "fp8" quantises bf16 rows; [training] mixed_precision_param '
+                          f'is "{run.param_dtype}": set it to "bfloat16" or {fix}')
+    if run.hidden % 16 or run.hidden > MAX_CHANNELS:
+        raise RecipeError(f'[moe_comm] expert_dtype = "fp8" needs the hidden size a multiple of 16 and at most '
+                          f"{MAX_CHANNELS}; the flavor's is {run.hidden}: {fix}")
+    return notes
+
+
+def require_device(device: torch.device) -> None:
+    """Refuse a GPU the rowwise FP8 grouped GEMM was not written for (the backend calls this
+    at start-up, where the device is known exactly)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        raise RecipeError(
+            f'[moe_comm] expert_dtype = "fp8" needs a Hopper GPU (SM 9.0); {torch.cuda.get_device_name(device)} is '
+            f'SM {major}.{minor}: set [moe_comm] expert_dtype = "bf16" (on B200, MXFP8 through [model] converters = '
+            '["quantize.grouped_mm.mx"])')
+
+
+def check_shapes(dim: int, inter: int) -> None:
+    if dim % 16 or inter % 16 or dim > MAX_CHANNELS or inter > MAX_CHANNELS:
+        raise ValueError(f"FP8 experts need hidden ({dim}) and the experts' inter dim ({inter}) in multiples of 16, "
+                         f"at most {MAX_CHANNELS}: set [moe_comm] expert_dtype = \"bf16\" for this flavor")
+
+
+def _mark(marks: list | None, name: str) -> None:
+    """The benchmark's per-step timing (None in training: nothing recorded)."""
+    if marks is None:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stamp = torch.cuda.Event(enable_timing=True)
+        stamp.record()
+    else:
+        import time
+
+        stamp = time.perf_counter()
+    marks.append((name, stamp))
+
+
+class _Fp8Experts(torch.autograd.Function):
+    """See the module doc. rows_grad_RD carries the rows' gradient (kernels/ops.py's
+    dispatch_fp8_rows says why); x_q/x_scale are the rows."""
+
+    @staticmethod
+    def forward(ctx, rows_grad_RD, w1, w2, w3, x_q, x_scale, offsets, wgrad_fp8, marks):
+        # dtypes are this function's own: autocast (TorchTitan's at world 1) must not recast them
+        with torch.autocast(x_q.device.type, enabled=False):
+            _mark(marks, "start")
+            w13_q, w13_scale, w13_col_amax = fp8.weights(w1, w3)
+            w2_q, w2_scale, w2_col_amax = fp8.weights(w2)
+            _mark(marks, "weights")
+            h13 = fp8.scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_scale, w13_scale, offsets)
+            _mark(marks, "gemm_13")
+            h_q, h_scale = fp8.gate(h13, offsets)
+            _mark(marks, "gate")
+            y = fp8.scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_scale, w2_scale, offsets)
+            _mark(marks, "gemm_2")
+        ctx.save_for_backward(x_q, x_scale, offsets, h13, w1, w2, w3, w13_col_amax, w2_col_amax)
+        ctx.wgrad_fp8, ctx.marks = wgrad_fp8, marks
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_q, x_scale, offsets, h13, w1, w2, w3, w13_col_amax, w2_col_amax = ctx.saved_tensors
+        marks, inter = ctx.marks, w1.shape[1]
+        dy = grad_y.to(torch.bfloat16).contiguous()
+        with torch.autocast(dy.device.type, enabled=False):  # as in forward
+            _mark(marks, "start")
+            dy_q, dy_scale = fp8.quantise_rows(dy, offsets)
+            _mark(marks, "quantise_dy")
+            w2t_q, w2t_scale = fp8.weights_transposed(w2, None, w2_col_amax)  # [L, I, D]
+            _mark(marks, "weights_t_2")
+            dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, w2t_scale, offsets)
+            del dy_q, dy_scale, w2t_q
+            _mark(marks, "dgrad_h")
+            dh13_q, dh13_scale, dh13, h = fp8.gate_backward(h13, dh, offsets)
+            del dh
+            _mark(marks, "gate_backward")
+            w13t_q, w13t_scale = fp8.weights_transposed(w1, w3, w13_col_amax)  # [L, D, 2I]
+            _mark(marks, "weights_t_13")
+            dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, w13t_scale, offsets)
+            del dh13_q, dh13_scale, w13t_q
+            _mark(marks, "dgrad_x")
+            if ctx.wgrad_fp8:
+                dy_t, dy_t_scale = fp8.group_columns(dy, None, offsets)  # [D, R']
+                h_t, h_t_scale = fp8.group_columns(h, None, offsets)  # [I, R']
+                dh13_t, dh13_t_scale = fp8.group_columns(dh13, None, offsets, 2)  # [2I, R']
+                x_t, x_t_scale = fp8.group_columns(x_q, x_scale, offsets)  # [D, R']
+                _mark(marks, "wgrad_operands")
+                dw2 = fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets)
+                dw1 = fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale[0], offsets)
+                dw3 = fp8.scaled_grouped_mm(dh13_t[inter:], x_t.t(), dh13_t_scale[1], x_t_scale[0], offsets)
+            else:
+                x = (x_q.float() * x_scale[:, None]).to(torch.bfloat16)
+                _mark(marks, "wgrad_operands")
+                dw2 = fp8.grouped_mm(dy.t(), h, offsets)
+                dw1 = fp8.grouped_mm(dh13[:, :inter].t(), x, offsets)
+                dw3 = fp8.grouped_mm(dh13[:, inter:].t(), x, offsets)
+            _mark(marks, "wgrad_gemm")
+        return dx, dw1, dw2, dw3, None, None, None, None, None
+
+
+@torch.compiler.disable  # custom kernels and FP8 GEMMs, eager as TorchTitan's experts run under EP
+def grouped_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, rows_grad_RD: torch.Tensor,
+                    rows: Fp8Rows, tokens_per_expert_L: torch.Tensor, wgrad_fp8: bool = True,
+                    marks: list | None = None) -> torch.Tensor:
+    """y [R, D] bf16 of the local experts (w1, w3 [L, I, D], w2 [L, D, I], fp32 or bf16, local
+    tensors) on the FP8 rows; the rows' gradient returns through rows_grad_RD. `marks`: a list
+    that collects (step, CUDA event) at each step's end, for the benchmark's breakdown."""
+    check_shapes(w1.shape[2], w1.shape[1])
+    offsets = torch.cumsum(tokens_per_expert_L, dim=0, dtype=torch.int32)
+    return _Fp8Experts.apply(rows_grad_RD, w1.contiguous(), w2.contiguous(), w3.contiguous(), rows.data_RD,
+                             rows.scale_R, offsets, wgrad_fp8, marks)

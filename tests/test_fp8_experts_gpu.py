@@ -1,0 +1,238 @@
+"""The FP8 experts on a Hopper GPU (run on the device: `pytest -m gpu tests/test_fp8_experts_gpu.py`).
+
+Three layers of checks, each against something written apart from what it checks:
+  - csrc/experts' kernels against moe_comm.kernels.fp8_reference (itself checked against numpy in
+    tests/test_fp8_maths.py): bit for bit where a kernel only quantises; where it also computes
+    the SiLU gate, to rounding (CUDA's expf against torch's exp: a value near a rounding boundary
+    may land one e4m3 step away);
+  - torch._scaled_grouped_mm against its emulation (dequantise, fp32 matmul): the operand
+    layouts and scale orders this project relies on, 2D x 3D and 2D x 2D, within 1% (bf16 output
+    and fast accumulation);
+  - the FP8 experts at the flagship rank's shape (8 experts, hidden 7168, inter 2048, about 33k
+    rows, balanced and skewed counts, one expert empty) against TorchTitan's bf16 experts: output
+    and every gradient within TOLERANCE; and against the same FP8 maths emulated in fp32 on the
+    GPU within EMULATION_TOLERANCE, which separates a kernel's fault from FP8's own error.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the FP8 experts run on Hopper (SM 9.0) only", allow_module_level=True)
+
+from moe_comm import fp8_experts  # noqa: E402
+from moe_comm.fp8_experts import Fp8Rows  # noqa: E402
+from moe_comm.kernels import fp8  # noqa: E402
+from moe_comm.kernels import fp8_reference as ref  # noqa: E402
+
+DEVICE = torch.device("cuda", 0)
+EXPERTS, HIDDEN, INTER = 8, 7168, 2048
+# Relative L2 of the FP8 experts' output and each gradient against the bf16 experts. Each e4m3
+# operand carries up to 6.25% rounding error (3 mantissa bits), about 2-3% RMS once scaled to
+# its row's or channel's amax, and every result passes two or three such roundings (x or dy,
+# the gate or its backward, the weights): this test's maths, run on CPU at hidden 256 with the
+# GEMMs emulated, measured 5-7%. 10% leaves room for fast accumulation and the tails of real
+# rows; a mis-scaled or mis-routed expert is off by more than 50%.
+TOLERANCE = 0.10
+# The kernels against the same maths emulated in fp32: rounding flips, fast accumulation, bf16
+# outputs. Far below FP8's own error, so a fault in a kernel's scale or layout shows.
+EMULATION_TOLERANCE = 0.02
+COUNTS = {
+    "balanced": [4136] * 8,  # 33,088 rows: the flagship rank's mean
+    "skewed": [11000, 8000, 5500, 3600, 2500, 1500, 992, 0],  # hot experts, one empty
+}
+
+
+def rel_l2(got, want) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def bf16(*shape, scale=1.0, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    from moe_comm.kernels.runtime import load_library
+
+    load_library()
+
+
+def offsets_of(counts) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int32, device=DEVICE).cumsum(0, dtype=torch.int32)
+
+
+def codes(q):
+    return q.view(torch.uint8)
+
+
+# ---- kernels against the reference ----------------------------------------------------------
+
+def test_rows_and_weights_quantise_bit_for_bit():
+    counts = [160, 0, 48, 512]
+    total = sum(counts)
+    x = bf16(total + 32, HIDDEN, seed=1)
+    x[5] = 0
+    x[7] *= 1e-9
+    offsets = offsets_of(counts)
+    q, scale = fp8.quantise_rows(x, offsets)
+    want_q, want_scale = ref.quantise_rows(x[:total])
+    assert torch.equal(codes(q[:total]), codes(want_q)) and torch.equal(scale[:total], want_scale)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        w1, w3 = bf16(4, INTER, HIDDEN, scale=0.02, seed=2).to(dtype), bf16(4, INTER, HIDDEN, scale=0.02, seed=3).to(dtype)
+        w2 = bf16(4, HIDDEN, INTER, scale=0.02, seed=4).to(dtype)
+        for a, b in ((w1, w3), (w2, None)):
+            got, want = fp8.weights(a, b), ref.weights(a, b)
+            assert torch.equal(codes(got[0]), codes(want[0])), dtype
+            assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), dtype
+            got_t, want_t = fp8.weights_transposed(a, b, got[2]), ref.weights_transposed(a, b, want[2])
+            assert torch.equal(codes(got_t[0]), codes(want_t[0])) and torch.equal(got_t[1], want_t[1]), dtype
+
+
+def test_group_columns_bit_for_bit():
+    counts = [48, 0, 320, 1024, 16]
+    total = sum(counts)
+    offsets = offsets_of(counts)
+    x = bf16(total + 40, 2 * INTER, scale=1e-4, seed=5)
+    for halves in (1, 2):
+        q, scale = fp8.group_columns(x, None, offsets, halves)
+        want_q, want_scale = ref.group_columns(x[:total], None, offsets, halves)
+        assert q.shape[1] % 16 == 0 and q.shape[1] >= x.shape[0]
+        assert torch.equal(codes(q[:, :total]), codes(want_q[:, :total])) and torch.equal(scale, want_scale)
+    xq, xs = ref.quantise_rows(bf16(total, HIDDEN, seed=6), ref.MIN_AMAX_ROWS)
+    q, scale = fp8.group_columns(xq, xs, offsets, 1)
+    want_q, want_scale = ref.group_columns(xq, xs, offsets, 1)
+    assert torch.equal(codes(q[:, :total]), codes(want_q[:, :total])) and torch.equal(scale, want_scale)
+
+
+def test_gate_and_its_backward_to_rounding():
+    counts = [256, 0, 736]
+    total = sum(counts)
+    offsets = offsets_of(counts)
+    h13 = bf16(total, 2 * INTER, scale=2.0, seed=7)
+    dh = bf16(total, INTER, scale=1e-5, seed=8)
+
+    def close_codes(got_q, got_s, want_q, want_s):
+        assert torch.allclose(got_s, want_s, rtol=1e-5, atol=0)
+        differ = (codes(got_q) != codes(want_q)).float().mean().item()
+        assert differ < 1e-3, f"{differ:.2%} of the e4m3 values differ"
+        got, want = got_q.float() * got_s[:, None], want_q.float() * want_s[:, None]
+        assert torch.allclose(got, want, rtol=2 ** -3, atol=want_s.max().item() * 2 ** -9)
+
+    close_codes(*fp8.gate(h13, offsets), *ref.gate(h13))
+    got, want = fp8.gate_backward(h13, dh, offsets), ref.gate_backward(h13, dh)
+    close_codes(got[0], got[1], want[0], want[1])
+    for g, w in zip(got[2:], want[2:]):
+        assert torch.allclose(g.float(), w.float(), rtol=1e-2, atol=w.float().abs().max().item() * 1e-3)
+
+
+def test_scaled_grouped_mm_takes_our_layouts():
+    counts = [512, 0, 1536, 2048]
+    offsets = offsets_of(counts)
+    total = sum(counts)
+    a = bf16(total, HIDDEN, seed=9).to(ref.FP8)
+    b = bf16(4, INTER, HIDDEN, seed=10).to(ref.FP8).transpose(-2, -1)  # [L, K, N] column-major
+    sa = torch.rand(total, device=DEVICE) + 0.5
+    sb = torch.rand(4, INTER, device=DEVICE) + 0.5
+    got, want = fp8.scaled_grouped_mm(a, b, sa, sb, offsets), ref.scaled_grouped_mm(a, b, sa, sb, offsets)
+    assert rel_l2(got, want) < 0.01
+
+    # 2D x 2D: the weight gradients' layout (A [M, rows] row-major, B [rows, N] column-major)
+    m, n = INTER, HIDDEN
+    rows = (total + 15) // 16 * 16
+    a2 = bf16(m, rows, seed=11).to(ref.FP8)
+    b2 = bf16(n, rows, seed=12).to(ref.FP8).t()
+    sa2 = torch.rand(4 * m, device=DEVICE) + 0.5
+    sb2 = torch.rand(4 * n, device=DEVICE) + 0.5
+    got, want = fp8.scaled_grouped_mm(a2, b2, sa2, sb2, offsets), ref.scaled_grouped_mm(a2, b2, sa2, sb2, offsets)
+    assert rel_l2(got[[0, 2, 3]], want[[0, 2, 3]]) < 0.01
+    assert torch.equal(got[1], torch.zeros_like(got[1])), "an expert with no rows got a nonzero weight gradient"
+
+
+# ---- the experts at the flagship rank's shape ------------------------------------------------
+
+def flagship_case(counts):
+    padded = [(c + 15) // 16 * 16 for c in counts]
+    rows = sum(padded) + 64  # the receive capacity's unused tail
+    x = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
+    dy = torch.zeros_like(x)
+    real = []
+    start = 0
+    for c, p in zip(counts, padded):
+        real += range(start, start + c)
+        start += p
+    real = torch.tensor(real, device=DEVICE)
+    x[real] = bf16(len(real), HIDDEN, seed=13)
+    dy[real] = bf16(len(real), HIDDEN, scale=1e-5, seed=14)
+    w = [bf16(EXPERTS, INTER, HIDDEN, scale=0.02, seed=15), bf16(EXPERTS, HIDDEN, INTER, scale=0.02, seed=16),
+         bf16(EXPERTS, INTER, HIDDEN, scale=0.02, seed=17)]
+    return x, dy, w, torch.tensor(padded, dtype=torch.int32, device=DEVICE), real
+
+
+def bf16_experts(x, dy, w, counts_L):
+    from torchtitan.models.moe.moe import _run_experts_grouped_mm
+
+    leaves = [t.clone().requires_grad_(True) for t in (x, *w)]
+    y = _run_experts_grouped_mm(leaves[1], leaves[2], leaves[3], leaves[0], counts_L)
+    y.backward(dy)
+    return {"y": y.detach(), "x": leaves[0].grad, "w1": leaves[1].grad, "w2": leaves[2].grad, "w3": leaves[3].grad}
+
+
+def fp8_run(x, dy, w, counts_L, wgrad_fp8=True):
+    q, scale = ref.quantise_rows(x, ref.MIN_AMAX_ROWS)  # the rows as dispatch hands them
+    leaves = [t.clone().requires_grad_(True) for t in w]
+    carrier = torch.zeros((), dtype=torch.bfloat16, device=DEVICE, requires_grad=True).expand(x.shape)
+    grads = {}
+    carrier.register_hook(lambda g: grads.setdefault("x", g))
+    y = fp8_experts.grouped_experts(*leaves, carrier, Fp8Rows(q, scale), counts_L, wgrad_fp8=wgrad_fp8)
+    y.backward(dy)
+    return {"y": y.detach(), "x": grads["x"], "w1": leaves[0].grad, "w2": leaves[1].grad, "w3": leaves[2].grad}
+
+
+def errors(got, want, real, counts):
+    live = [e for e, c in enumerate(counts) if c]
+    out = {k: rel_l2(got[k][real], want[k][real]) for k in ("y", "x")}
+    out.update({k: rel_l2(got[k][live], want[k][live]) for k in ("w1", "w2", "w3")})
+    return out
+
+
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("wgrad_fp8", [True, False])
+def test_flagship_shape_against_bf16(routing, wgrad_fp8):
+    counts = COUNTS[routing]
+    x, dy, w, counts_L, real = flagship_case(counts)
+    got = fp8_run(x, dy, w, counts_L, wgrad_fp8)
+    want = bf16_experts(x, dy, w, counts_L)
+    err = errors(got, want, real, counts)
+    print(f"{routing}, wgrad {'fp8' if wgrad_fp8 else 'bf16'}: relative L2 against bf16 "
+          + ", ".join(f"{k} {v:.4f}" for k, v in err.items()))
+    assert all(v <= TOLERANCE for v in err.values()), err
+    for k in ("w1", "w2", "w3"):
+        assert torch.isfinite(got[k]).all()
+        for e, c in enumerate(counts):
+            if not c:
+                assert torch.equal(got[k][e], torch.zeros_like(got[k][e])), f"{k}: empty expert {e}"
+
+
+@pytest.mark.parametrize("routing", list(COUNTS))
+def test_flagship_shape_against_the_emulation(routing, monkeypatch):
+    """The same FP8 maths with every kernel and GEMM replaced by fp8_reference on the GPU."""
+    counts = COUNTS[routing]
+    x, dy, w, counts_L, real = flagship_case(counts)
+    got = fp8_run(x, dy, w, counts_L)
+    monkeypatch.setattr(fp8, "quantise_rows", lambda t, offsets: ref.quantise_rows(t))
+    monkeypatch.setattr(fp8, "gate", lambda h13, offsets: ref.gate(h13))
+    monkeypatch.setattr(fp8, "gate_backward", lambda h13, dh, offsets: ref.gate_backward(h13, dh))
+    monkeypatch.setattr(fp8, "weights", ref.weights)
+    monkeypatch.setattr(fp8, "weights_transposed", ref.weights_transposed)
+    monkeypatch.setattr(fp8, "group_columns", ref.group_columns)
+    monkeypatch.setattr(fp8, "scaled_grouped_mm", ref.scaled_grouped_mm)
+    want = fp8_run(x, dy, w, counts_L)
+    err = errors(got, want, real, counts)
+    print(f"{routing}: relative L2 against the emulation " + ", ".join(f"{k} {v:.4f}" for k, v in err.items()))
+    assert all(v <= EMULATION_TOLERANCE for v in err.values()), err
