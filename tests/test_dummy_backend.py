@@ -153,12 +153,16 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def test_the_metrics_processor_and_report_ask_its_class(dummy, world_of_one, tmp_path, caplog):
+def test_the_metrics_processor_and_report_ask_its_class(dummy, world_of_one, tmp_path, caplog, monkeypatch):
     import moe_comm.titan  # noqa: F401  the CPU adaptations
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
 
-    from moe_comm.metrics import build_metrics_processor, instrument, keys
+    from moe_comm.metrics import build_metrics_processor, instrument, instrumented, keys
+
+    # the processor summarises every live instrumented backend of the process (one model per
+    # process in a run); here only this test's, whatever earlier tests of the session left alive
+    monkeypatch.setattr(instrumented, "_registry", [])
 
     caplog.set_level(logging.INFO)
     runs = tmp_path / "runs"

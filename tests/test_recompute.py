@@ -189,7 +189,7 @@ def test_comm_kept_bytes_per_backend():
     """The flagship's layer (7168 wide, top 8 of 256, EP 32 on 8-GPU nodes, a microbatch of 4096
     tokens, bf16): each backend keeps about two expert-row tensors and combine's output; nvshmem's
     rows are its buffer capacity (recv_capacity_factor 2: twice the balanced load)."""
-    from moe_comm.titan.flavors import register
+    from moe_comm.layout.flavors import register
 
     register()
     from torchtitan.models.deepseek_v3 import deepseekv3_args

@@ -151,6 +151,8 @@ def _recipe(flavor: str, name: str = "deepseek_v3_moe_comm") -> str:
 
 
 def test_recipe_refuses_varlen_where_it_cannot_run(tmp_path):
+    from moe_comm.layout import check_layout
+
     with pytest.raises(recipe.RecipeError, match="CUDA only") as e:
         recipe.load(_write(tmp_path, _recipe("debugmodel_varlen")), device="cpu", check_paths=False)
     assert "[model] flavor" in str(e.value)
@@ -162,7 +164,6 @@ def test_recipe_refuses_varlen_where_it_cannot_run(tmp_path):
     layout = config.layout
     causal_varlen = dataclasses.replace(deepseekv3_args["debugmodel_varlen"], attn_mask_type="causal")
     with pytest.raises(recipe.RecipeError, match="attn_mask_type is 'causal'"):
-        recipe.check_layout(config.config, layout, causal_varlen, "cuda")
+        check_layout(config.config, layout, causal_varlen, "cuda")
     with pytest.raises(recipe.RecipeError, match="context_parallel_degree"):
-        recipe.check_layout(config.config, dataclasses.replace(layout, cp=2), deepseekv3_args["debugmodel_varlen"],
-                            "cuda")
+        check_layout(config.config, dataclasses.replace(layout, cp=2), deepseekv3_args["debugmodel_varlen"], "cuda")

@@ -17,10 +17,10 @@ that llama3 does not:
   * TorchTitan's MLA forward hands a mask to its kernel only for flex, so `VarlenMLA.forward`
     gives the kernel the documents for the length of the call.
 
-A flavor selects it with attn_type = "varlen" (moe_comm.titan.flavors registers a "_varlen"
+A flavor selects it with attn_type = "varlen" (moe_comm.layout.flavors registers a "_varlen"
 twin of every flavor); `MoECommDeepSeekV3Model` builds its attention modules with
 `use_varlen` and its masks with `varlen_documents`. What it cannot run is refused before launch
-(moe_comm.recipe.check_layout): CPU (FlashAttention is CUDA only), context parallelism, a mask
+(moe_comm.layout.check_layout): CPU (FlashAttention is CUDA only), context parallelism, a mask
 other than block_causal, TorchTitan's own deepseek_v3 model.
 """
 
