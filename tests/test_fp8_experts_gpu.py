@@ -37,9 +37,11 @@ EXPERTS, HIDDEN, INTER = 8, 7168, 2048
 # GEMMs emulated, measured 5-7%. 10% leaves room for fast accumulation and the tails of real
 # rows; a mis-scaled or mis-routed expert is off by more than 50%.
 TOLERANCE = 0.10
-# The kernels against the same maths emulated in fp32: rounding flips, fast accumulation, bf16
-# outputs. Far below FP8's own error, so a fault in a kernel's scale or layout shows.
-EMULATION_TOLERANCE = 0.02
+# The kernels against the same maths emulated in fp32: rounding flips, bf16 outputs, and fast
+# accumulation (the scaled grouped GEMM's e4m3 tensor-core accumulator keeps fewer bits than
+# fp32 over K = 7168; measured 2.1-2.3% on one H200, 2026-12-02). Far below FP8's own error, so a
+# fault in a kernel's scale or layout (tens of percent) still shows.
+EMULATION_TOLERANCE = 0.03
 COUNTS = {
     "balanced": [4136] * 8,  # 33,088 rows: the flagship rank's mean
     "skewed": [11000, 8000, 5500, 3600, 2500, 1500, 992, 0],  # hot experts, one empty
@@ -72,6 +74,23 @@ def codes(q):
 
 # ---- kernels against the reference ----------------------------------------------------------
 
+def assert_same_codes(got_q, got_s, want_q, want_s, what=""):
+    """Bit for bit; on a mismatch the message says how many codes and scales differ and shows the
+    first few differing values (code values and scales) so the cause can be read off one run."""
+    got_c, want_c = codes(got_q), codes(want_q)
+    same_q, same_s = torch.equal(got_c, want_c), torch.equal(got_s, want_s)
+    if same_q and same_s:
+        return
+    lines = [f"{what}: {(got_c != want_c).sum().item()} of {got_c.numel()} codes and "
+             f"{(got_s != want_s).sum().item()} of {got_s.numel()} scales differ"]
+    for idx in (got_c != want_c).nonzero()[:6].tolist():
+        lines.append(f"  at {idx}: ours {got_q[tuple(idx)].float().item()!r} want {want_q[tuple(idx)].float().item()!r}")
+    bad_s = (got_s != want_s).nonzero()[:3].tolist()
+    for idx in bad_s:
+        lines.append(f"  scale at {idx}: ours {got_s[tuple(idx)].item()!r} want {want_s[tuple(idx)].item()!r}")
+    raise AssertionError("\n".join(lines))
+
+
 def test_rows_and_weights_quantise_bit_for_bit():
     counts = [160, 0, 48, 512]
     total = sum(counts)
@@ -81,17 +100,17 @@ def test_rows_and_weights_quantise_bit_for_bit():
     offsets = offsets_of(counts)
     q, scale = fp8.quantise_rows(x, offsets)
     want_q, want_scale = ref.quantise_rows(x[:total])
-    assert torch.equal(codes(q[:total]), codes(want_q)) and torch.equal(scale[:total], want_scale)
+    assert_same_codes(q[:total], scale[:total], want_q, want_scale, "rows")
 
     for dtype in (torch.bfloat16, torch.float32):
         w1, w3 = bf16(4, INTER, HIDDEN, scale=0.02, seed=2).to(dtype), bf16(4, INTER, HIDDEN, scale=0.02, seed=3).to(dtype)
         w2 = bf16(4, HIDDEN, INTER, scale=0.02, seed=4).to(dtype)
         for a, b in ((w1, w3), (w2, None)):
             got, want = fp8.weights(a, b), ref.weights(a, b)
-            assert torch.equal(codes(got[0]), codes(want[0])), dtype
-            assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), dtype
+            assert_same_codes(got[0], got[1], want[0], want[1], f"weights {dtype}")
+            assert torch.equal(got[2], want[2]), dtype
             got_t, want_t = fp8.weights_transposed(a, b, got[2]), ref.weights_transposed(a, b, want[2])
-            assert torch.equal(codes(got_t[0]), codes(want_t[0])) and torch.equal(got_t[1], want_t[1]), dtype
+            assert_same_codes(got_t[0], got_t[1], want_t[0], want_t[1], f"weights transposed {dtype}")
 
 
 def test_group_columns_bit_for_bit():
@@ -103,11 +122,11 @@ def test_group_columns_bit_for_bit():
         q, scale = fp8.group_columns(x, None, offsets, halves)
         want_q, want_scale = ref.group_columns(x[:total], None, offsets, halves)
         assert q.shape[1] % 16 == 0 and q.shape[1] >= x.shape[0]
-        assert torch.equal(codes(q[:, :total]), codes(want_q[:, :total])) and torch.equal(scale, want_scale)
+        assert_same_codes(q[:, :total], scale, want_q[:, :total], want_scale, f"group columns, halves {halves}")
     xq, xs = ref.quantise_rows(bf16(total, HIDDEN, seed=6), ref.MIN_AMAX_ROWS)
     q, scale = fp8.group_columns(xq, xs, offsets, 1)
     want_q, want_scale = ref.group_columns(xq, xs, offsets, 1)
-    assert torch.equal(codes(q[:, :total]), codes(want_q[:, :total])) and torch.equal(scale, want_scale)
+    assert_same_codes(q[:, :total], scale, want_q[:, :total], want_scale, "group columns of FP8 rows")
 
 
 def test_gate_and_its_backward_to_rounding():
