@@ -32,7 +32,7 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
         help="do not check the tokenizer, dataset and dump folder here (a recipe for another machine): no launch blockers",
     )
     parser.add_argument(
-        "--gpu", default=None, choices=gpus.MODELS,
+        "--gpu", default=None, type=gpus.model_name, choices=gpus.MODELS,
         help="the GPU the recipe will run on, for the fit verdict and the SM budget (default: this "
         "machine's, if it has one)",
     )
