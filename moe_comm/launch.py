@@ -19,7 +19,8 @@ is passed to TorchTitan. The torchrun command also gets `--local-ranks-filter 0`
 `--dry-run` prints the torchrun command instead of running it.
 
 Before torchrun starts, on every node:
-  - the recipe is validated for the whole world (nnodes x nproc-per-node) on this machine;
+  - the recipe is validated for the whole world (nnodes x nproc-per-node) on this machine, and a
+    CPU run whose memory estimate exceeds this machine's memory is refused (moe_comm.machine);
   - the dump folder is claimed for this run (moe_comm.claim): a folder another run trains in is
     refused, naming it; the nodes of one job share the claim; a stale claim is taken over;
   - the dump folder is claimed for this run's identity (moe_comm.metrics.naming): a folder that
@@ -45,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_comm import checkpoints, claim, heartbeat, lr_schedule, recipe
+from moe_comm import checkpoints, claim, heartbeat, lr_schedule, machine, recipe
 from moe_comm.metrics import naming
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -178,7 +179,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], beats: Path, held: "claim.
 def main(args: argparse.Namespace) -> int:
     overrides = recipe.split_cli_overrides(args, _add_launch_flags)
     try:
-        r = recipe.load(args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, here=True)
+        r = machine.load_here(args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
         if args.nnodes is None and r.layout.nodes > 1:
             raise recipe.RecipeError(
                 f"[cluster] nodes = {r.layout.nodes}: this recipe spans several nodes; submit it "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm import files, recipe
+from moe_comm import files, gpus, recipe
 from moe_comm.__main__ import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +61,13 @@ def test_an_unusable_dump_folder_is_named_by_check_submit_and_train(case, tmp_pa
     assert main(["submit", DEBUG, "--job.dump_folder", folder]) == 2  # refused before sbatch is looked for
     err = capsys.readouterr().err
     assert f"submit: {field}" in err, err
+
+    # a dry run renders the script (the paths may be the cluster's) and lists what a real submit
+    # from here refuses, in check's words
+    assert main(["submit", DEBUG, "--dry-run", "--job.dump_folder", folder]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("#!/bin/bash")
+    assert "submit: launch blockers (1): " in out.err and f"submit:   - {field}" in out.err, out.err
 
 
 def test_a_writable_dump_folder_passes_and_nothing_is_left_behind(tmp_path):
@@ -158,15 +165,18 @@ def test_the_assets_verb_is_suggested_only_when_it_can_fetch(tmp_path):
     assert "fetches it from org/tok" in blocker
 
 
-def test_a_stand_in_tokenizer_far_smaller_than_the_model_is_a_warning(capsys):
+def test_a_stand_in_tokenizer_far_smaller_than_the_model_is_a_warning(capsys, monkeypatch):
     tiny = ["--model.hf_assets_path", "./assets/tiny", "--training.dataset", "c4_test",
             "--training.dataset_path", "./assets/tiny/c4_tiny"]
     r = recipe.load(FLAGSHIP, tiny)
     (warning,) = [w for w in r.warnings if w.startswith("[model] hf_assets_path")]
     assert "a 453-token tokenizer for a model of 129,280" in warning and "stand-in" in warning
     assert recipe.load(DEBUG, device="cpu").warnings == []  # debugmodel embeds 2,048: 4.5x, not a stand-in
-    assert main(["check", FLAGSHIP, *tiny]) == 0
-    assert f"warning     {warning}" in capsys.readouterr().out
+    monkeypatch.setattr(gpus, "this_machine", lambda: None)
+    assert main(["check", FLAGSHIP, *tiny]) == 1  # the files are there; what blocks is this machine's lack of a GPU
+    out = capsys.readouterr().out
+    assert f"warning     {warning}" in out
+    assert "launch blockers (1)" in out and "  - `train` on this machine (no CUDA GPU) refuses this recipe: " in out
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_a_blocker(tmp_path):
@@ -181,18 +191,21 @@ def test_a_tokenizer_larger_than_the_embedding_is_a_blocker(tmp_path):
 
 # ---- check plans from a laptop ----------------------------------------------------------------
 
-def test_check_plans_the_flagship_without_its_tokenizer_and_data(capsys):
-    """No DeepSeek-V3 tokenizer and no /data/c4 here: the layout, memory and predictions still
-    print, then both blockers with their fix, and the exit status says it cannot launch."""
+def test_check_plans_the_flagship_without_its_tokenizer_and_data(capsys, monkeypatch):
+    """No DeepSeek-V3 tokenizer, no /data/c4 and no GPU here: the layout, memory and predictions
+    still print, then the blockers with their fix (the files, then what `train` refuses on this
+    machine), and the exit status says it cannot launch."""
     assert not Path("/data/c4").exists() and not (REPO / "assets" / "hf" / "DeepSeek-V3").exists()
+    monkeypatch.setattr(gpus, "this_machine", lambda: None)
     assert main(["check", FLAGSHIP]) == 1
     out = capsys.readouterr().out
     for line in ("layout      world 256", "memory/GPU  ", "scale model B200", "expected fastest on this cluster"):
         assert line in out, out
-    blockers = out.split("launch blockers (2):", 1)[1].splitlines()[1:]
+    blockers = out.split("launch blockers (3):", 1)[1].splitlines()[1:]
     assert blockers[0].startswith("  - [model] hf_assets_path = './assets/hf/DeepSeek-V3' is not a directory")
     assert blockers[1].startswith("  - [training] dataset_path = '/data/c4' does not exist: ")
-    assert all(f"python -m moe_comm assets {FLAGSHIP}" in b for b in blockers)
+    assert all(f"python -m moe_comm assets {FLAGSHIP}" in b for b in blockers[:2])
+    assert blockers[2].startswith("  - `train` on this machine (no CUDA GPU) refuses this recipe: ")
     # --skip-files: checking a recipe for another machine, nothing blocks here
     assert main(["check", FLAGSHIP, "--skip-files"]) == 0
     assert "ready       nothing blocks a launch" in capsys.readouterr().out
