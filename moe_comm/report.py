@@ -22,7 +22,7 @@ from typing import Any
 
 from moe_comm import plots
 from moe_comm.config import MoEComm
-from moe_comm.metrics import keys
+from moe_comm.metrics import history, keys
 from moe_comm.metrics.keys import JSONL_NAME
 
 DEFAULT_WARMUP_STEPS = 2
@@ -96,12 +96,9 @@ def find_jsonl(path: Path) -> list[Path]:
 
 
 def load_run(jsonl: Path) -> Run:
-    by_step = {}  # a resumed run appends the steps after its checkpoint again: keep the last
-    for line in jsonl.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_step[record["step"]] = record
-    records = [by_step[step] for step in sorted(by_step)]
+    # one row per step, the newest start's (moe_comm.metrics.history: a run's start moves the
+    # rows it supersedes aside; a file from before that rule is read by the same rule)
+    records = history.newest_rows(jsonl.read_text().splitlines())
     if not records:
         raise ValueError(f"{jsonl} has no steps (did the run reach its first log step?)")
     static_keys = (keys.RECIPE, keys.BACKEND, keys.BACKEND_OPTIONS, keys.DEVICE, keys.PEAK_DTYPE,

@@ -37,7 +37,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import Color, NoColor
 
 from moe_comm import console
-from moe_comm.metrics import keys, naming
+from moe_comm.metrics import history, keys, naming
 from moe_comm.metrics.instrumented import instrumented_backends, SENDS_ONCE_PER_RANK, summarize
 from moe_comm.metrics.peaks import resolve_peak
 from moe_comm.metrics.pipeline import PipelineStages
@@ -62,8 +62,8 @@ class JsonlLogger(BaseLogger):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
         self.static_fields = static_fields
-        # appended, so a requeued job that resumes from a checkpoint keeps the first attempt's
-        # steps (readers keep the last record of a step); flushed per line for crashed runs
+        # appended to the rows up to the step the run resumes from (moe_comm.metrics.history
+        # moved any later ones aside first); flushed per line for crashed runs
         self._file = open(path, "a")
         logger.info(f"Per-step metrics (JSONL): {path}")
 
@@ -96,9 +96,15 @@ class _KeepLast(BaseLogger):
 class MoECommMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
         self.moe_comm = naming.moe_comm_config(job_config)
+        self.jsonl_path = os.path.join(job_config.job.dump_folder, JSONL_NAME)
+        # one row per step (moe_comm.metrics.history), settled before W&B opens its run
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        start = (history.begin(self.jsonl_path, history.start_step(job_config))
+                 if rank == _get_metrics_rank(parallel_dims, job_config) else None)
         if job_config.metrics.enable_wandb:
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
-            naming.set_wandb_env_defaults(job_config, parallel_dims.world_size // per_node, per_node)
+            naming.set_wandb_env_defaults(job_config, parallel_dims.world_size // per_node, per_node,
+                                          superseded=bool(start and start.moved))
             # W&B's own banner and end-of-run summary are some thirty console lines; the header
             # says where the run goes and the footer prints an offline run's `wandb sync`.
             os.environ.setdefault("WANDB_SILENT", "true")
@@ -130,7 +136,6 @@ class MoECommMetricsProcessor(MetricsProcessor):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.metrics_rank = _get_metrics_rank(parallel_dims, job_config)
         self.is_metrics_rank = self.rank == self.metrics_rank
-        self.jsonl_path = os.path.join(job_config.job.dump_folder, JSONL_NAME)
         if self.is_metrics_rank:
             if not isinstance(self.logger, LoggerContainer):
                 self.logger = LoggerContainer()  # TorchTitan's no-op logger: nothing enabled
@@ -152,6 +157,8 @@ class MoECommMetricsProcessor(MetricsProcessor):
         self._step_seconds: list[float] = []
         for line in self._header(wandb_url):
             console.show(line)
+        if start and start.moved:
+            console.show(f"moe_comm: {start.message(self.jsonl_path)}")
         console.watch.start("setting up the model (sharding, weight init, checkpoint load)")
 
     # TorchTitan's batch generator adds each batch's tokens here: the processor's only per-batch
