@@ -6,7 +6,8 @@ peak-FLOPS lookup that moe_comm.metrics replaces), Python warnings from librarie
 line of its own next to ours. A person watching a run wants progress; a person debugging one
 wants everything. So from the moment TorchTitan imports `moe_comm.titan` (the recipe's
 custom_import; only TorchTitan's first two lines, its version and "Starting job", come
-earlier), `setup()` routes TorchTitan's root logger:
+earlier, and the version is held for the file by moe_comm.trainer), `setup()` routes
+TorchTitan's root logger:
 
 - every record goes, without colour codes, to this rank's log file DUMP/logs/rank{R}.log: held
   in memory until the metrics processor knows the dump folder (`open_log_file`), written to
@@ -193,14 +194,51 @@ class RankLogFile(logging.Handler):
 
 _log_file: RankLogFile | None = None
 
+# TorchTitan's lines logged before it imports moe_comm.titan that only the rank's log file keeps
+# (its version, which it prints on every run); moe_comm.trainer holds them from the start
+FILE_ONLY_EARLY = ("torchtitan version: ",)
+
+
+class _HoldEarly(logging.Filter):
+    """On TorchTitan's logger until `setup`: keeps the FILE_ONLY_EARLY records for the log file."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if plain(record.getMessage()).startswith(FILE_ONLY_EARLY):
+            self.held.append(record)
+            return False
+        return True
+
+
+_early = _HoldEarly()
+
+
+def hold_early_lines() -> None:
+    """Before TorchTitan's trainer starts (moe_comm.trainer): its FILE_ONLY_EARLY lines go to
+    the rank's log file, not the console. A filter on its logger, which its init_logger keeps."""
+    logger.addFilter(_early)
+
 
 def _write_pending_on_crash(log: RankLogFile) -> None:
     """An exception that ends the process before the log file opened (a missing tokenizer, a
-    bad mesh) also prints the log so far, which says what led to it."""
+    bad mesh) also prints the log so far, which says what led to it; once the file is open, the
+    traceback also goes into it (the console may not show this rank)."""
     previous = sys.excepthook
 
     def hook(*exc_info):
         log.write_pending_to_stderr()
+        if log.path is not None:
+            import traceback
+
+            log.acquire()
+            try:
+                log._file.write("".join(traceback.format_exception(*exc_info)))
+                log._file.flush()
+            finally:
+                log.release()
         previous(*exc_info)
 
     sys.excepthook = hook
@@ -215,6 +253,8 @@ def setup() -> None:
     if _log_file is not None or not console:
         return
     _log_file = RankLogFile()
+    logger.removeFilter(_early)
+    _log_file._pending += _early.held  # for the file only: they never reached the console
     for handler in console:
         handler.addFilter(ConsoleFilter())
     logger.addHandler(_log_file)

@@ -34,7 +34,7 @@ def _cmd(proc) -> str:
 def test_single_node_command_with_overrides(dry, tmp_path):
     line = _cmd(dry("--training.steps", "5"))
     assert "--standalone --nproc_per_node 2" in line
-    assert line.endswith("-m torchtitan.train --job.config_file recipes/debug_cpu.toml --job.dump_folder "
+    assert line.endswith("-m moe_comm.trainer --job.config_file recipes/debug_cpu.toml --job.dump_folder "
                          f"{tmp_path} --training.steps 5")
 
 
