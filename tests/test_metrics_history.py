@@ -92,7 +92,9 @@ def processor_in(tmp_path, caplog):
             "--job.custom_config_module", "moe_comm.config", "--job.dump_folder", str(tmp_path / "dump"),
             "--metrics.no-enable_wandb", "--training.steps", "5", *extra])
         dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-        return build_metrics_processor(job_config, dims)
+        processor = build_metrics_processor(job_config, dims)
+        processor.num_flops_per_token = 1_000_000
+        return processor
 
     return build
 
@@ -109,3 +111,65 @@ def test_the_processor_applies_the_rule_before_its_first_row(processor_in, tmp_p
     assert len(list(dump.glob("metrics.superseded-*.jsonl"))) == 1
     shown = [r.getMessage() for r in caplog.records if getattr(r, console.CONSOLE, False)]
     assert any(m.startswith("moe_comm: steps 1-5 of an earlier start") for m in shown), shown
+
+
+# ---- figures that agree: the footer's and report's window (issue 32 item 7) -------------------
+
+def test_the_steady_window_is_one_rule_and_says_itself():
+    assert history.steady_steps([1, 2, 3, 4, 5]) == [3, 4, 5]
+    assert history.window_text([3, 4, 5]) == "steps 3-5 (after a 2-step warm-up)"
+    assert history.steady_steps([1]) == [1]  # nothing after the warm-up: the last step alone
+    assert history.window_text([1]) == "step 1 alone (no step after the 2-step warm-up)"
+    assert history.steady_steps([501, 502]) == [501, 502]  # a resumed run's steps are past the warm-up
+
+
+def test_footer_and_report_give_the_same_ms_per_step_over_the_same_steps(processor_in, tmp_path, caplog):
+    """Five steps of 2, 2, 1, 1, 1 tenths of a second: both say 0.1 s over steps 3-5 (the footer
+    said "after the first", report "after the first 2": different medians of one run)."""
+    import re
+    import time
+
+    from moe_comm import console, report
+
+    processor = processor_in()
+    for step, seconds in enumerate((0.4, 0.4, 0.1, 0.1, 0.2), start=1):
+        processor.ntokens_since_last_log += 6
+        processor.data_loading_times.append(0.0)
+        time.sleep(seconds)
+        processor.log(step, 1.0, 1.0, 0.5)
+    processor.close()
+    footer = [r.getMessage() for r in caplog.records if getattr(r, console.CONSOLE, False)][-1]
+    m = re.search(r"median (\d+\.\d+) s/step over steps 3-5 \(after a 2-step warm-up\)$", footer)
+    assert m, footer
+    summary = report.summarize_run(report.load_run(tmp_path / "dump" / "metrics.jsonl"))
+    assert summary["steps_summarized"] == [3, 4, 5]
+    assert abs(summary["step_ms"] / 1e3 - float(m.group(1))) < 0.006
+
+
+def test_a_one_step_run_does_not_claim_a_median_after_the_first(processor_in, caplog):
+    from moe_comm import console
+
+    processor = processor_in("--training.steps", "1")
+    processor.ntokens_since_last_log += 6
+    processor.data_loading_times.append(0.0)
+    processor.log(1, 1.0, 1.0, 0.5)
+    processor.close()
+    footer = [r.getMessage() for r in caplog.records if getattr(r, console.CONSOLE, False)][-1]
+    assert "after the first" not in footer and "median" not in footer
+    assert footer.endswith("s/step: step 1 alone (no step after the 2-step warm-up)"), footer
+
+
+def test_report_says_n_a_where_the_step_line_does_on_cpu(tmp_path):
+    """A CPU run: TFLOPS, MFU and memory are n/a on the step line; report printed 0.0."""
+    from moe_comm import report
+    from moe_comm.metrics.processor import JsonlLogger
+
+    jsonl = JsonlLogger(str(tmp_path / "metrics.jsonl"), {keys.DEVICE: "CPU", keys.BACKEND: "nccl"})
+    for step in range(1, 5):
+        jsonl.log({keys.TPS: 50.0, keys.TFLOPS: 0.002, keys.MFU: float("nan"), keys.MEM_RESERVED: 0.0,
+                   keys.STEP_MS: 100.0, keys.LOSS: 5.0}, step)
+    jsonl.close()
+    s = report.summarize_run(report.load_run(tmp_path / "metrics.jsonl"))
+    assert (s["tflops"], s["mfu"], s["mem_reserved_gib"]) == (None, None, None)
+    row = report.markdown_table([{**s, "vs_nccl": None}]).splitlines()[2].split(" | ")
+    assert row[5:7] == ["n/a", "n/a"] and row[-3] == "n/a" and row[-1] == "3-4 |", row

@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPERSEDED_PREFIX = "metrics.superseded-"
+# The steady state: every figure summed up over a run (the footer's s/step, `report`'s medians)
+# is over the steps after the first WARMUP_STEPS (start-up, compilation, the allocator's growth),
+# or the last step alone when there is none, and says which.
+WARMUP_STEPS = 2
 
 
 @dataclass
@@ -107,3 +111,18 @@ def begin(jsonl: str | os.PathLike, step: int) -> Start:
     tmp.write_text("".join(lines[i] + "\n" for i in sorted(keep)))
     os.replace(tmp, path)  # a crash in between leaves the old file or the new, never half of one
     return start
+
+
+def steady_steps(steps: list[int], warmup: int = WARMUP_STEPS) -> list[int]:
+    """The steps a run's steady-state figures are taken over (see WARMUP_STEPS)."""
+    return [s for s in steps if s > warmup] or list(steps[-1:])
+
+
+def window_text(steady: list[int], warmup: int = WARMUP_STEPS) -> str:
+    """'steps 3-5 (after a 2-step warm-up)', or what stands in when no step came after it."""
+    if not steady:
+        return "no step"
+    if steady[0] <= warmup:
+        return f"step {steady[-1]} alone (no step after the {warmup}-step warm-up)"
+    span = f"steps {steady[0]}-{steady[-1]}" if len(steady) > 1 else f"step {steady[0]}"
+    return f"{span} (after a {warmup}-step warm-up)"

@@ -278,7 +278,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
         )
         console.show(self._step_line(step, global_avg_loss, grad_norm, step_s, mine).format(self.color))
         self._losses.append(global_avg_loss)
-        self._step_seconds.append(step_s)
+        self._step_seconds.append((step, step_s))
         self._last_logged_step = step
 
     def _step_line(self, step: int, loss: float, grad_norm: float, step_s: float, mine: dict) -> StepLine:
@@ -329,6 +329,18 @@ class MoECommMetricsProcessor(MetricsProcessor):
         if self.wandb_sync_dir:
             console.show(f"W&B run saved offline. Upload it with: wandb sync {self.wandb_sync_dir}")
 
+    def _rate(self) -> str:
+        """'; median 0.52 s/step over steps 3-5 (after a 2-step warm-up)': the steps `report`
+        takes its medians over (moe_comm.metrics.history.steady_steps), named."""
+        if not self._step_seconds:
+            return ""
+        by_step = dict(self._step_seconds)
+        window = history.steady_steps(sorted(by_step))
+        seconds = [by_step[s] for s in window]
+        if window[0] <= history.WARMUP_STEPS:
+            return f"; {seconds[-1]:.2f} s/step: {history.window_text(window)}"
+        return f"; median {statistics.median(seconds):.2f} s/step over {history.window_text(window)}"
+
     def _footer(self, failure: BaseException | None) -> str:
         """One line: done, stopped early, or failed, and where (see close)."""
         total = self.job_config.training.steps
@@ -351,8 +363,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
         if completed is None:
             return (f"moe_comm: no training step ran in {took} (the checkpoint it resumed may already be at "
                     f"[training] steps = {total})")
-        steady = self._step_seconds[1:] or self._step_seconds
-        rate = f"; median {statistics.median(steady):.2f} s/step after the first" if steady else ""
+        rate = self._rate()
         if completed < total:
             return (f"moe_comm: stopped early at step {completed}/{total} in {took} (TorchTitan ended the "
                     f"loop: see its warning above){loss}{rate}")
