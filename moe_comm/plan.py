@@ -132,7 +132,8 @@ def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
 def explain(row: planner.Row) -> list[str]:
     p = row.prediction
     lines = [f"{row.backend}: {p.tflops_per_gpu:,.0f} model TFLOPS/GPU predicted against Megatron-Core's "
-             f"{planner.MEGATRON_TFLOPS:.0f} (256 GB200, PP 8 VPP 4, EP 32, MXFP8; NOTES section 8), term by term:"]
+             f"{planner.MEGATRON_TFLOPS:.0f} (256 GB200, PP 8 VPP 4, EP 32, MXFP8; {planner.MEGATRON_SOURCE}), "
+             "term by term:"]
     for term, cost in planner.shortfall(p):
         lines.append(f"  {cost:>+8,.0f} TFLOPS  {term}")
     lines.append(f"  (= {planner.MEGATRON_TFLOPS - p.tflops_per_gpu:+,.0f}; Megatron's GB200 peak is 2.5 PFLOPS "

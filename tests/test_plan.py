@@ -234,3 +234,18 @@ def test_a_plan_prices_each_ranks_compute_once(monkeypatch):
     req = plan_verb.request(r, backends=["nvshmem", "deepep", "nccl"], keep=["ep=32", "pp=8"])
     planner.plan(req, cal, top=1)
     assert asked and len(asked) == len(set(asked))
+
+
+def test_the_product_cites_only_what_a_clone_has():
+    """Every figure the product quotes points at a file of the repository or states its public
+    source: `plan --explain` cited "NOTES section 8", a file users do not have."""
+    cited = []
+    for folder in ("moe_comm", "recipes"):
+        for path in (REPO / folder).rglob("*"):
+            if path.suffix in (".py", ".toml") and ("NOTES" in path.read_text() or "shared/" in path.read_text()):
+                cited.append(str(path.relative_to(REPO)))
+    assert cited == []
+    r = recipe.load(FLAGSHIP, [], device="cuda", check_paths=False)
+    req = plan_verb.request(r, backends=["nvshmem"], keep=["ep=32", "pp=8"])
+    line = plan_verb.explain(planner.plan(req, calibration.calibrate(), top=1)["nvshmem"][0])[0]
+    assert "NOTES" not in line and "deepseek-v3-gb200-optimization" in line

@@ -40,8 +40,10 @@ KEEP_KEYS = {
     "microbatch": "pipeline_parallel_microbatch_size",
     "local_batch": "local_batch_size", "ac": "activation_checkpoint mode", "overlap": "[moe_comm] overlap",
 }
-# Megatron-Core's DeepSeek-V3 on 256 GB200 (TP 1, PP 8, VPP 4, EP 32, MXFP8), NOTES section 8
+# Megatron-Core's DeepSeek-V3 on 256 GB200 (TP 1, PP 8, VPP 4, EP 32, MXFP8), with HybridEP
 MEGATRON_TFLOPS = 944.0
+MEGATRON_SOURCE = ("NVIDIA Megatron-LM, docs/discussions/deepseek-v3-gb200-optimization/"
+                   "deepseek-v3-gb200-optimization.md, 2025-11: 943.56 with HybridEP")
 
 
 class PlanError(ValueError):

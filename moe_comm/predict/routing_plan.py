@@ -86,12 +86,12 @@ class RoutingPlan:
     @property
     def node_dedup(self) -> float:
         """Picks per (token, node) pair: how many times fewer rows a per-node dedup sends than
-        one row per expert (NOTES §7's "experts per node hit")."""
+        one row per expert ("experts per node hit"; tests/test_routing_plan.py's table)."""
         return self.top_k / self.nodes_hit_per_token
 
     @property
     def rank_dedup(self) -> float:
-        """Picks per (token, rank) pair (NOTES §7's "experts per rank hit")."""
+        """Picks per (token, rank) pair ("experts per rank hit"; tests/test_routing_plan.py's table)."""
         return self.top_k / self.ranks_hit_per_token
 
     @property
@@ -214,7 +214,9 @@ def draw_topk(
                   experts shared by all ranks); each token draws top_k distinct experts from it.
     node_limited  DeepSeek-V3's group-limited router on i.i.d. scores: num_groups groups of
                   consecutive experts, keep the limited_groups groups with the largest sum of
-                  their two best scores, then top_k experts among those (NOTES §7).
+                  their two best scores, then top_k experts among those (TorchTitan 0.2.2's
+                  router, torchtitan/models/moe/moe.py, with num_expert_groups and
+                  num_limited_groups).
     """
     return Draw(routing, tokens, num_experts, top_k, num_groups=num_groups, limited_groups=limited_groups,
                 zipf_exponent=zipf_exponent, seed=seed).ranks(world)

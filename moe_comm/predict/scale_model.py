@@ -306,7 +306,8 @@ def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration) ->
             if backend == "deepep":
                 per_row = READ["deepep_permute_us_per_row" if kind == "dispatch" else "deepep_unpermute_us_per_row"]
                 t.layout_us = per_row.value * expert_rows * hbm
-                # TorchTitan's DeepEP path waits on the host for the received counts (NOTES §7),
+                # TorchTitan 0.2.2's DeepEP path waits on the host for the received counts
+                # (torchtitan/distributed/deepep/deepep.py),
                 # assumed to cost what the standard path's host round trip costs per call
                 t.host_us = cal.nccl_call_us if name == "dispatch" else 0.0
             else:
