@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 from torchtitan.tools.logging import logger
 
+from moe_comm.errors import RecipeError
+
 # Record attribute that marks a line for the console: logger.info(msg, extra={CONSOLE: True}).
 CONSOLE = "moe_comm_console"
 
@@ -93,6 +95,11 @@ EXPECTED = (
     Expected(
         "DTensor manual_seed() may not have complete support on cpu device mesh",
         "CPU runs: the same DTensor RNG note, from TorchTitan's seeding",
+    ),
+    Expected(
+        "Failed to load JSON from file",
+        "datasets' JSON reader on a bad record (its row counts within a block, not the file): "
+        "moe_comm.titan.data names the file, line and field",
     ),
     Expected(
         "'set_vital' is deprecated",
@@ -193,6 +200,7 @@ class RankLogFile(logging.Handler):
 
 
 _log_file: RankLogFile | None = None
+failure_shown = False  # the footer named the exception that ends the run (moe_comm.metrics.processor)
 
 # TorchTitan's lines logged before it imports moe_comm.titan that only the rank's log file keeps
 # (its version, which it prints on every run); moe_comm.trainer holds them from the start
@@ -229,7 +237,8 @@ def _write_pending_on_crash(log: RankLogFile) -> None:
     previous = sys.excepthook
 
     def hook(*exc_info):
-        log.write_pending_to_stderr()
+        if not isinstance(exc_info[1], RecipeError):  # its one line says all
+            log.write_pending_to_stderr()
         if log.path is not None:
             import traceback
 
@@ -239,6 +248,10 @@ def _write_pending_on_crash(log: RankLogFile) -> None:
                 log._file.flush()
             finally:
                 log.release()
+        if isinstance(exc_info[1], RecipeError):  # bad input only the ranks could see: one line says it
+            if not failure_shown:
+                sys.stderr.write(f"moe_comm: rank {os.environ.get('RANK', '0')}: {exc_info[1]}\n")
+            return
         previous(*exc_info)
 
     sys.excepthook = hook
@@ -260,10 +273,13 @@ def setup() -> None:
     logger.addHandler(_log_file)
     logging.captureWarnings(True)  # py.warnings propagates to the root logger
     _write_pending_on_crash(_log_file)
+    import datasets
+
+    library = logging.getLogger("datasets")  # its own stderr handler: its records go the way of the others
+    for handler in list(library.handlers):
+        library.removeHandler(handler)
     if not sys.stderr.isatty():
         # "Generating train split: 600 examples" progress bars, redrawn with \r, in a log file
-        import datasets
-
         datasets.disable_progress_bars()
     watch.register_compile_callbacks()
 

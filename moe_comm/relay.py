@@ -79,14 +79,18 @@ def _first_failure(report: list[str]) -> str:
         return report[-1].strip()
     fields: dict[str, str] = {}
     for line in report[start + 1:]:
-        m = re.match(r"\s+(\w+)\s*: (.*)", line)
-        if m:
-            fields.setdefault(m.group(1), m.group(2).strip())
-        elif line.startswith("===="):
+        if line.startswith("===="):
             break
+        m = re.match(r"  (\w+)\s*: (.*)", line)
+        if m and "traceback" not in fields:
+            fields.setdefault(m.group(1), m.group(2).strip())
+        elif "traceback" in fields and line.strip():  # a traceback's lines: the last says what
+            fields["traceback"] = line.strip()
     rank = fields.get("rank", "?").split(" ")[0]
     exitcode = fields.get("exitcode", "?")
     why = fields.get("traceback", "")
+    if why.startswith("moe_comm.errors.RecipeError"):  # the rank said it in one line (moe_comm.console)
+        why = "the recipe error its rank printed"
     return f"rank {rank}, exitcode {exitcode}" + (f": {why}" if why else "")
 
 

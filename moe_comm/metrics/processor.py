@@ -356,7 +356,9 @@ class MoECommMetricsProcessor(MetricsProcessor):
             started = self._last_logged_step + -(-batches // self._accumulation)
             where = f"in step {started}/{total}" if batches else f"after step {self._last_logged_step}/{total}"
         if failure is not None:
-            what = str(failure).strip().splitlines()[0][:300] if str(failure).strip() else ""
+            what = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
+            console.failure_shown = len(what) <= 300  # else the rank's last line says it whole
+            what = what[:300]
             return (f"moe_comm: FAILED {where} after {took}: {type(failure).__name__}"
                     + (f": {what}" if what else "") + f"{loss}; the rank logs are in "
                     f"{os.path.join(self.job_config.job.dump_folder, 'logs')}")

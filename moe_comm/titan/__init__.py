@@ -35,7 +35,7 @@ from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
 from torchtitan.protocols.train_spec import register_train_spec, TrainSpec
 
 from moe_comm import metrics
-from moe_comm.titan import flavors
+from moe_comm.titan import data, flavors
 from moe_comm.titan.model import MoECommDeepSeekV3Model
 from moe_comm.titan.parallelize import parallelize_deepseekv3_moe_comm
 
@@ -56,6 +56,7 @@ def get_train_spec() -> TrainSpec:
         model_cls=MoECommDeepSeekV3Model,
         parallelize_fn=parallelize_deepseekv3_moe_comm,
         build_metrics_processor_fn=metrics.build_metrics_processor,
+        build_dataloader_fn=data.build_dataloader,  # TorchTitan's, naming a bad record (moe_comm.titan.data)
     )
 
 
