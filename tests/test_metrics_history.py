@@ -4,7 +4,6 @@ applying it before its first row. Before: the README's main job run twice read s
 and a taken-over run read 1,2,3,4,4,5..10."""
 
 import json
-import os
 
 import pytest
 
