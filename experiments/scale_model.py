@@ -143,7 +143,8 @@ def plan_section(cal, lines, data):
     data["targets"] = dict(zip([t[0] for t in TARGETS], values))
     lines += ["", "### Where the nvshmem flagship's TFLOPS/GPU fall short of Megatron-Core's 944", "",
               "Megatron-Core reports 944 TFLOPS/GPU for DeepSeek-V3 on 256 GB200 with PP 8, VPP 4, EP 32 and MXFP8 "
-              "(NOTES §8), the layout family of the flagship. Each line is what adding that term's time to the "
+              "(NVIDIA Megatron-LM, docs/discussions/deepseek-v3-gb200-optimization, 2025-11: 943.56 with HybridEP), "
+              "the layout family of the flagship. Each line is what adding that term's time to the "
               "step costs in TFLOPS/GPU (`python -m moe_comm plan ... --explain`), in the order listed; they add up "
               f"from 944 to the prediction ({ours.tflops_per_gpu:,.0f}):", "", "| term | TFLOPS/GPU | step ms |",
               "| --- | --- | --- |"]
@@ -264,7 +265,7 @@ def flagship_section(cal, lines, data):
     st = p.comm.stats
     lines += ["", f"Routing at EP 32 (node-limited): {st.nodes_hit_per_token:.2f} nodes and "
               f"{st.ranks_hit_per_token:.2f} ranks per token; per-node dedup {st.node_dedup:.2f}x, per-rank dedup "
-              f"{st.rank_dedup:.2f}x (NOTES §7).", ""]
+              f"{st.rank_dedup:.2f}x (tests/test_routing_plan.py's table).", ""]
 
 
 # what each anchor's prediction takes from measurements and what from stated assumptions
@@ -272,18 +273,20 @@ ANCHOR_MEASURED = {
     "standard": "compute: results/model_inputs/layer_bench_h200x1.json case `nebius` (TP 2, 1 x 8192: norms, residuals, router, "
                 "MLA projections, FlexAttention kernel, shared expert, dense FFN, bf16 grouped GEMM at EP 32 balanced, "
                 "embedding, output + loss; fwd, bwd, full-AC recompute); nccl path: per-call host cost and per-row "
-                "permutes (results/model_inputs/comm_bench_h200x2.json, mfu_sweep profiles); NCCL's NVLink rate "
-                "(NOTES §2); idle share (results/model_inputs split_kernels profile)",
-    "deepep": "compute as standard; DeepEP's per-token fixed cost from its intranode test on 2xH200 (NOTES §4) with "
-              "our kernels' link efficiency (results/model_inputs/comm_bench_h200x2.json); TorchTitan's DeepEP permute and "
-              "unpermute per row (one H200, NOTES §7)",
+                "permutes (results/model_inputs/comm_bench_h200x2.json, mfu_sweep profiles); NCCL's NVLink rate (a "
+                "probe on 2xH200, moe_comm/predict/assumptions.py); idle share (results/model_inputs split_kernels "
+                "profile)",
+    "deepep": "compute as standard; DeepEP's per-token fixed cost from its intranode test on 2xH200 "
+              "(moe_comm/predict/assumptions.py) with our kernels' link efficiency "
+              "(results/model_inputs/comm_bench_h200x2.json); TorchTitan's DeepEP permute and unpermute per row (a "
+              "profile on one H200, moe_comm/predict/assumptions.py)",
     "deepep_mxfp8": "as deepep; the bf16 grouped GEMM and the measured bf16 / fp8 rowwise GEMM ceilings "
                     "(layer_bench.json peaks.measured: 799 / 1,560 TFLOPS)",
 }
 ANCHOR_ASSUMED = {
     "standard": "B200 = the H200's share of each datasheet peak (bf16 2,250 / 989 TFLOPS, HBM 8.0 / 4.8 TB/s); "
                 "attention at one document per sequence (c4's packed documents do less); network 43 GB/s per GPU "
-                "(DeepEP V1 internode on CX7, NOTES §4); TP 2 collectives at NCCL's NVLink rate, exposed",
+                "(DeepEP V1 internode on CX7, DeepEP's README); TP 2 collectives at NCCL's NVLink rate, exposed",
     "deepep": "as standard; DeepEP's host sync per forward dispatch = the nccl path's per-call cost (not measured); "
               "DeepEP's network phase at the same 43 GB/s",
     "deepep_mxfp8": "as deepep; compiled MXFP8 grouped GEMM = bf16 x the measured ceiling ratio at the B200's FP8 "
@@ -487,7 +490,7 @@ def gaps_section(rows, lines):
     lines += ["## Known gaps", "",
               f"- **16B on 2 H200 (held out): nvshmem {err('nvshmem_16b/')} ({err('split_kernels_16b/deepseek_v3_16b_h200x2-nvshmem')} "
               "on the slow lease).** 27 thin layers (dim 2048) with full AC and FlexAttention run host- and "
-              "launch-bound (NOTES §1: GPU idle ~70% in a 16B profile); their compute is the 671B parts scaled by "
+              "launch-bound (GPU idle ~70% in a 16B profile of TorchTitan's standard path, 2xH200, not in results/); their compute is the 671B parts scaled by "
               "work (the benchmark has no 16B case), the idle share is the GPU-bound 671B-shaped profile's, and "
               "the model has no host-launch floor. A profile of the 16B step would give the floor.",
               f"- **nccl at 4 x 4096 on 2 H200 (held out): {err('h200x2-nccl-b4-s4096')}.** Those runs reserve 137.4 "

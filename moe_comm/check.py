@@ -6,11 +6,14 @@ backend, the scale model's MoE traffic, comm time and MFU on the recipe's cluste
 A recipe error (a bad field, a layout that cannot work) stops it at once (exit 2). What only
 this machine lacks (the tokenizer, the data, a writable dump folder: moe_comm.files) does not:
 the whole plan is printed first, then the launch blockers with their fixes, and the exit status
-is 1 while any remains. `train` and `submit` refuse the same blockers."""
+is 1 while any remains. `train` and `submit` refuse the same blockers, and what `train` refuses on
+this machine (moe_comm.machine: a GPU recipe without a GPU, a CPU run beyond its memory) is one
+of them."""
 
 import argparse
 
 from moe_comm import gpus, recipe
+from moe_comm import machine as machine_mod
 from moe_comm.backends import backend_class, baseline
 from moe_comm.layout import flavor_args
 from moe_comm.predict import estimate
@@ -31,10 +34,11 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--skip-files", action="store_true",
-        help="do not check the tokenizer, dataset and dump folder here (a recipe for another machine): no launch blockers",
+        help="do not check the tokenizer, dataset and dump folder here, nor what `train` refuses on this machine "
+        "(a recipe for another machine): no launch blockers",
     )
     parser.add_argument(
-        "--gpu", default=None, choices=gpus.MODELS,
+        "--gpu", default=None, type=gpus.model_name, choices=gpus.MODELS,
         help="the GPU the recipe will run on, for the fit verdict and the SM budget (default: this "
         "machine's, if it has one)",
     )
@@ -56,12 +60,7 @@ def report(r: recipe.Recipe) -> str:
     params = estimate.count_params(args)
     t = c.training
     try:
-        mem = estimate.memory_per_gpu(
-            args, lay, t.local_batch_size, t.seq_len, c.activation_checkpoint.mode,
-            microbatch=c.parallelism.pipeline_parallel_microbatch_size,
-            pp_schedule=c.parallelism.pipeline_parallel_schedule,
-            layers_per_stage=c.parallelism.pipeline_parallel_layers_per_stage,
-        )
+        mem = machine_mod.memory_estimate(r)
     except ValueError as e:  # a pipeline schedule torch would refuse, or the model does not cover
         mem = None
         memory_line = f"memory/GPU  not estimated: {e}"
@@ -257,6 +256,9 @@ def main(args: argparse.Namespace) -> int:
         )
     except recipe.RecipeError as e:
         return recipe.main_error(e)
+    if not args.skip_files:  # what `train` refuses on this machine, in its words (moe_comm.machine)
+        refused = machine_mod.refusal(args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
+        r.blockers += [refused] if refused else []
     print(report(r))
     print("\n".join(launch_lines(r)))
     return 1 if r.blockers else 0

@@ -6,7 +6,8 @@ peak-FLOPS lookup that moe_comm.metrics replaces), Python warnings from librarie
 line of its own next to ours. A person watching a run wants progress; a person debugging one
 wants everything. So from the moment TorchTitan imports `moe_comm.titan` (the recipe's
 custom_import; only TorchTitan's first two lines, its version and "Starting job", come
-earlier), `setup()` routes TorchTitan's root logger:
+earlier, and the version is held for the file by moe_comm.trainer), `setup()` routes
+TorchTitan's root logger:
 
 - every record goes, without colour codes, to this rank's log file DUMP/logs/rank{R}.log: held
   in memory until the metrics processor knows the dump folder (`open_log_file`), written to
@@ -33,6 +34,8 @@ import time
 from dataclasses import dataclass
 
 from torchtitan.tools.logging import logger
+
+from moe_comm.errors import RecipeError
 
 # Record attribute that marks a line for the console: logger.info(msg, extra={CONSOLE: True}).
 CONSOLE = "moe_comm_console"
@@ -92,6 +95,11 @@ EXPECTED = (
     Expected(
         "DTensor manual_seed() may not have complete support on cpu device mesh",
         "CPU runs: the same DTensor RNG note, from TorchTitan's seeding",
+    ),
+    Expected(
+        "Failed to load JSON from file",
+        "datasets' JSON reader on a bad record (its row counts within a block, not the file): "
+        "moe_comm.titan.data names the file, line and field",
     ),
     Expected(
         "'set_vital' is deprecated",
@@ -192,15 +200,58 @@ class RankLogFile(logging.Handler):
 
 
 _log_file: RankLogFile | None = None
+failure_shown = False  # the footer named the exception that ends the run (moe_comm.metrics.processor)
+
+# TorchTitan's lines logged before it imports moe_comm.titan that only the rank's log file keeps
+# (its version, which it prints on every run); moe_comm.trainer holds them from the start
+FILE_ONLY_EARLY = ("torchtitan version: ",)
+
+
+class _HoldEarly(logging.Filter):
+    """On TorchTitan's logger until `setup`: keeps the FILE_ONLY_EARLY records for the log file."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if plain(record.getMessage()).startswith(FILE_ONLY_EARLY):
+            self.held.append(record)
+            return False
+        return True
+
+
+_early = _HoldEarly()
+
+
+def hold_early_lines() -> None:
+    """Before TorchTitan's trainer starts (moe_comm.trainer): its FILE_ONLY_EARLY lines go to
+    the rank's log file, not the console. A filter on its logger, which its init_logger keeps."""
+    logger.addFilter(_early)
 
 
 def _write_pending_on_crash(log: RankLogFile) -> None:
     """An exception that ends the process before the log file opened (a missing tokenizer, a
-    bad mesh) also prints the log so far, which says what led to it."""
+    bad mesh) also prints the log so far, which says what led to it; once the file is open, the
+    traceback also goes into it (the console may not show this rank)."""
     previous = sys.excepthook
 
     def hook(*exc_info):
-        log.write_pending_to_stderr()
+        if not isinstance(exc_info[1], RecipeError):  # its one line says all
+            log.write_pending_to_stderr()
+        if log.path is not None:
+            import traceback
+
+            log.acquire()
+            try:
+                log._file.write("".join(traceback.format_exception(*exc_info)))
+                log._file.flush()
+            finally:
+                log.release()
+        if isinstance(exc_info[1], RecipeError):  # bad input only the ranks could see: one line says it
+            if not failure_shown:
+                sys.stderr.write(f"moe_comm: rank {os.environ.get('RANK', '0')}: {exc_info[1]}\n")
+            return
         previous(*exc_info)
 
     sys.excepthook = hook
@@ -215,15 +266,20 @@ def setup() -> None:
     if _log_file is not None or not console:
         return
     _log_file = RankLogFile()
+    logger.removeFilter(_early)
+    _log_file._pending += _early.held  # for the file only: they never reached the console
     for handler in console:
         handler.addFilter(ConsoleFilter())
     logger.addHandler(_log_file)
     logging.captureWarnings(True)  # py.warnings propagates to the root logger
     _write_pending_on_crash(_log_file)
+    import datasets
+
+    library = logging.getLogger("datasets")  # its own stderr handler: its records go the way of the others
+    for handler in list(library.handlers):
+        library.removeHandler(handler)
     if not sys.stderr.isatty():
         # "Generating train split: 600 examples" progress bars, redrawn with \r, in a log file
-        import datasets
-
         datasets.disable_progress_bars()
     watch.register_compile_callbacks()
 

@@ -10,11 +10,12 @@ vocabulary) is a warning instead.
 The dataset is read the way TorchTitan 0.2.2's loader reads it (torchtitan/hf_datasets/
 text_datasets.py: `load_dataset(path[, name], split="train")`, then `sample["text"]`): the data
 files come from Hugging Face datasets' own resolution of the folder (its dataset card, or the
-file names), every file of the split must hold something, and the first records of the first
-file are parsed (and the last line of a plain file, where a truncated copy ends mid-record; a
-compressed shard is read for its first records only). Before, an empty folder, an
-empty or truncated train.jsonl, or records without the text field all started torchrun and
-failed inside every rank (an empty file with a bare StopIteration).
+file names), every file of the split must hold something, and every record is parsed while
+FULL_READ_BYTES last (a small dataset whole: a bad record deep in it is named with its file and
+line), beyond that the first records of each file and the last line of a plain file, where a
+truncated copy ends mid-record, with a note of how far the reading went. Before, an empty
+folder, an empty or truncated train.jsonl, or records without the text field all started
+torchrun and failed inside every rank (an empty file with a bare StopIteration).
 """
 
 import gzip
@@ -26,7 +27,10 @@ from pathlib import Path
 
 # TorchTitan's datasets: the configuration name its loader asks for, and the field it reads.
 DATASET_LOADERS = {"c4": ("en", "text"), "c4_validation": ("en", "text"), "c4_test": (None, "text")}
-RECORDS_READ = 8  # records of the first data file parsed before launch
+RECORDS_READ = 8  # records of every data file parsed before launch, however large
+# Bytes of (decompressed) records read in all before launch, beyond each file's first records:
+# a second or so of parsing; a dataset within it is read whole, a larger one up to it (a note)
+FULL_READ_BYTES = 64_000_000
 TITAN_DEFAULT_ASSETS = "./tests/assets/tokenizer"  # [model] hf_assets_path when a recipe does not set it
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # what TorchTitan's tokenizer loads
 STAND_IN_RATIO = 10  # a tokenizer this many times smaller than the model's vocabulary is a stand-in
@@ -135,7 +139,15 @@ def _local(path: str | None) -> bool:
     return bool(path) and path.startswith((".", "/"))
 
 
-def _dataset(config, recipe_file: str, found: Findings) -> None:
+def dataset_blocker(config, read_bytes: float = float("inf")) -> str:
+    """The launch blocker of a local dataset, reading up to `read_bytes` of its records (all of
+    them by default: a rank whose loader failed asks which record it was), "" for none."""
+    found = Findings()
+    _dataset(config, config.job.config_file or "RECIPE.toml", found, read_bytes)
+    return found.blockers[0] if found.blockers else ""
+
+
+def _dataset(config, recipe_file: str, found: Findings, read_bytes: float | None = None) -> None:
     t = config.training
     path = t.dataset_path
     where = f"[training] dataset_path = {path!r}"
@@ -163,11 +175,17 @@ def _dataset(config, recipe_file: str, found: Findings) -> None:
         if os.path.getsize(f) == 0:
             found.blockers.append(f"{where}: {f} is empty: it holds no records to train on; remove it or stage it again")
             return
-    problem, checked = first_records_problem(files[0], text_field)
-    if problem:
-        found.blockers.append(f"{where}: {problem}")
-    elif not checked:
-        found.notes.append(f"{where}: records of {files[0]} not read before launch (format not read here)")
+    budget = [FULL_READ_BYTES if read_bytes is None else read_bytes]  # shared by the files, in order
+    for f in files:
+        problem, checked, read_to = records_problem(f, text_field, budget)
+        if problem:
+            found.blockers.append(f"{where}: {problem}")
+            return
+        if not checked:
+            found.notes.append(f"{where}: records of {f} not read before launch (format not read here)")
+        elif read_to is not None:
+            found.notes.append(f"{where}: {f} read to line {read_to} and its last line ({_size(FULL_READ_BYTES)} "
+                               "read before launch in all); a bad record after that stops the ranks, naming it")
 
 
 def data_files(path: str, name: str | None) -> list[str]:
@@ -180,45 +198,56 @@ def data_files(path: str, name: str | None) -> list[str]:
     return [str(f) for f in train]
 
 
-def first_records_problem(path: str, text_field: str) -> tuple[str, bool]:
-    """(what stops training in the first records of a data file, "" if nothing; whether its
-    format was read)."""
+def records_problem(path: str, text_field: str, budget: list[int]) -> tuple[str, bool, int | None]:
+    """(what stops training in a data file's records, "" if nothing; whether its format was
+    read; the line the reading stopped at when `budget`, the bytes left to read, ran out first,
+    else None)."""
     name = path.lower()
     if name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
-        return _json_lines_problem(path, text_field), True
+        problem, read_to = _json_lines_problem(path, text_field, budget)
+        return problem, True, read_to
     if name.endswith(".parquet"):
-        return _parquet_problem(path, text_field), True
+        return _parquet_problem(path, text_field), True, None
     if name.endswith(".txt"):
-        return "", True  # the text builder makes one record per line, in field "text"
-    return "", False
+        return "", True, None  # the text builder makes one record per line, in field "text"
+    return "", False, None
 
 
-def _json_lines_problem(path: str, text_field: str) -> str:
+def _json_lines_problem(path: str, text_field: str, budget: list[int]) -> tuple[str, int | None]:
+    """Every line while `budget` lasts (and always the first RECORDS_READ records), then the
+    last line of a plain file (one seek: a truncated copy ends mid-record)."""
     opener = gzip.open if path.lower().endswith(".gz") else open
-    records = 0
+    records, number, read_to = 0, 0, None
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
+                budget[0] -= len(line)
                 if not line.strip():
                     continue
                 if number == 1 and line.lstrip().startswith("["):
-                    return ""  # one JSON array: datasets' json builder reads it whole
-                problem = _record_problem(line, f"line {number}", text_field)
+                    return "", None  # one JSON array: datasets' json builder reads it whole
+                cut = not line.endswith("\n")  # the file ends inside this record
+                problem = _record_problem(line, f"line {number}, the last," if cut else f"line {number}", text_field)
                 if problem:
-                    return f"{path} {problem}"
+                    return f"{path} {problem}" + (" (the file looks truncated: stage it again)" if cut else ""), None
                 records += 1
-                if records == RECORDS_READ:
+                if records >= RECORDS_READ and budget[0] <= 0:
+                    read_to = number
                     break
     except (OSError, EOFError, UnicodeDecodeError) as e:  # a broken gzip stream, bad bytes
-        return f"{path} cannot be read ({type(e).__name__}: {e}); stage it again"
+        return f"{path} cannot be read ({type(e).__name__}: {e}); stage it again", None
     if records == 0:
-        return f"{path} holds no records: stage the dataset again"
-    if opener is open:  # the end of a plain file costs one seek: a truncated copy ends mid-record
+        return f"{path} holds no records: stage the dataset again", None
+    if read_to is not None and opener is open:
         last = _last_line(path)
         problem = _record_problem(last, "the last line", text_field) if last.strip() else ""
         if problem:
-            return f"{path} {problem} (the file looks truncated: stage it again)"
-    return ""
+            return f"{path} {problem} (the file looks truncated: stage it again)", None
+    return "", read_to
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB" if n >= 1e6 else f"{n / 1e3:,.0f} kB"
 
 
 def _record_problem(line: str, where: str, text_field: str) -> str:

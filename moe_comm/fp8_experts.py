@@ -5,8 +5,8 @@ grouped GEMM in e4m3 through torch's `torch._scaled_grouped_mm` (SM90 CUTLASS, f
 accumulation, bf16 out). On torch 2.11 it takes rowwise scales only on Hopper: one fp32 scale per
 row of the left operand and one per output channel of the right (no 1x128 blocks on SM90). On
 operands already in e4m3 its GEMMs beat bf16's clearly at the flagship rank's rows; what made
-torchao's float8 recipe slower than bf16 was quantising in eager PyTorch (results/h200x1/README.md,
-/work/shared/NOTES.md section 10). So nothing here is quantised twice or in eager mode:
+torchao's float8 recipe slower than bf16 was quantising in eager PyTorch (results/h200x1/README.md;
+experiments/fp8_grouped_gemm_probe.py measures the GEMMs). So nothing here is quantised twice or in eager mode:
 
 - activations: one scale per row (a token-expert row). The experts' input rows come from
   dispatch already in e4m3 (`Fp8Rows`), quantised once: by the sender with one scale for the

@@ -55,6 +55,10 @@ def model(name: str) -> GPU:
         if gpu.model == name:
             return gpu
     raise KeyError(name)
+def model_name(text: str) -> str:
+    """The table's spelling of a GPU model typed in any case ("b200" -> "B200"); `text` itself
+    when the table has no such model (argparse then names the choices)."""
+    return next((g.model for g in _GPUS if g.model.lower() == text.strip().lower()), text)
 
 
 def this_machine() -> tuple[str, int] | None:

@@ -2,16 +2,17 @@
 
 One node (the default):
     python -m moe_comm train recipes/debug_cpu.toml --training.steps 5
-runs `torchrun --standalone --nproc_per_node N -m torchtitan.train --job.config_file RECIPE
---training.steps 5`, where N is the recipe's [cluster] gpus_per_node (on CPU: the number of
-processes) unless `--nproc-per-node` overrides it.
+runs `torchrun --standalone --nproc_per_node N -m moe_comm.trainer --job.config_file RECIPE
+--training.steps 5` (moe_comm.trainer: TorchTitan's trainer, torchtitan.train), where N is the
+recipe's [cluster] gpus_per_node (on CPU: the number of processes) unless `--nproc-per-node`
+overrides it.
 
 Multi-node contract (the Slurm template calls this once per node through srun):
     python -m moe_comm train RECIPE.toml --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID \\
         [--nproc-per-node G] [-- TorchTitan overrides]
 switches torchrun to c10d rendezvous:
     torchrun --nnodes N --nproc_per_node G --rdzv_backend c10d --rdzv_endpoint HOST:PORT
-             --rdzv_id ID -m torchtitan.train --job.config_file RECIPE ...
+             --rdzv_id ID -m moe_comm.trainer --job.config_file RECIPE ...
 All three of --nnodes/--rdzv-endpoint/--rdzv-id are needed together, and a recipe whose
 [cluster] nodes > 1 is refused without them (submit it with `python -m moe_comm submit`).
 TorchTitan overrides may follow `--` or be given directly; anything this parser does not know
@@ -19,7 +20,8 @@ is passed to TorchTitan. The torchrun command also gets `--local-ranks-filter 0`
 `--dry-run` prints the torchrun command instead of running it.
 
 Before torchrun starts, on every node:
-  - the recipe is validated for the whole world (nnodes x nproc-per-node) on this machine;
+  - the recipe is validated for the whole world (nnodes x nproc-per-node) on this machine, and a
+    CPU run whose memory estimate exceeds this machine's memory is refused (moe_comm.machine);
   - the dump folder is claimed for this run (moe_comm.claim): a folder another run trains in is
     refused, naming it; the nodes of one job share the claim; a stale claim is taken over;
   - the dump folder is claimed for this run's identity (moe_comm.metrics.naming): a folder that
@@ -31,8 +33,11 @@ Before torchrun starts, on every node:
     to do (said, exit 0, no torchrun); resuming under another learning-rate schedule than the
     checkpoint's is a warning (moe_comm.lr_schedule).
 While it runs, SIGTERM (Slurm's preemption and time limit), SIGINT (Ctrl-C) and SIGHUP are
-passed to torchrun, which stops every rank; ranks also die if torchrun is killed outright.
-After a failure, a rank that stopped answering (moe_comm.heartbeat) is named.
+passed to torchrun, which stops every rank; ranks also die if torchrun is killed outright. The
+console then says so in one line (moe_comm.relay: torchrun's stderr goes to DUMP/logs). After a
+failure, torchrun's report is summed up in one line, the footer of another rank is shown when
+the shown rank printed none (it was killed), and a rank that stopped answering
+(moe_comm.heartbeat) is named.
 """
 
 import argparse
@@ -45,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-from moe_comm import checkpoints, claim, heartbeat, lr_schedule, recipe
+from moe_comm import checkpoints, claim, heartbeat, lr_schedule, machine, recipe, relay
 from moe_comm.metrics import naming
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -87,7 +92,7 @@ def torchrun_command(args: argparse.Namespace, r: recipe.Recipe, overrides: list
         cmd += ["--standalone", "--nproc_per_node", str(r.layout.procs_per_node)]
     if args.log_rank != "all":
         cmd += ["--local-ranks-filter", args.log_rank]
-    cmd += ["-m", "torchtitan.train", "--job.config_file", args.recipe, *overrides]
+    cmd += ["-m", "moe_comm.trainer", "--job.config_file", args.recipe, *overrides]  # TorchTitan's trainer
     return cmd
 
 
@@ -122,15 +127,21 @@ def _report_stopped_ranks(folder: Path) -> None:
         )
 
 
-def run_torchrun(cmd: list[str], env: dict[str, str], beats: Path, held: "claim.Claim | None" = None) -> int:
+def run_torchrun(cmd: list[str], env: dict[str, str], beats: Path, held: "claim.Claim | None" = None,
+                 logs: Path = Path("logs"), shown: set[int] | None = None) -> int:
     """Run torchrun and wait for it, passing on the signals that should stop the job; the dump
-    folder's claim is kept fresh meanwhile, and losing it stops the run like a SIGTERM."""
+    folder's claim is kept fresh meanwhile, and losing it stops the run like a SIGTERM.
+    torchrun's stderr goes to `logs` and, as moe_comm.relay says, to the console; `shown`: the
+    ranks torchrun shows here (moe_comm.relay.shown_ranks)."""
     received: list[int] = []
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+    started = time.time()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE,
                             preexec_fn=lambda: heartbeat.die_with_parent(signal.SIGTERM))
+    out = relay.Relay(proc.stderr, relay.log_path(logs))
 
     def forward(signum, frame):
         received.append(signum)
+        out.quiet = True  # what torchrun says while it stops the ranks goes to its log only
         try:
             proc.send_signal(signum)
         except ProcessLookupError:
@@ -166,11 +177,16 @@ def run_torchrun(cmd: list[str], env: dict[str, str], beats: Path, held: "claim.
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        out.join()
     if received:
         name = signal.Signals(received[0]).name
-        print(f"moe_comm: stopped by {name}; torchrun and every rank have exited", file=sys.stderr, flush=True)
+        print(f"moe_comm: stopped by {name}; torchrun and every rank have exited; logs in {logs}",
+              file=sys.stderr, flush=True)
         return 128 + received[0]
     if rc != 0:
+        for line in (out.summary(), relay.missing_footer(logs, shown, started)):
+            if line:
+                print(line, file=sys.stderr, flush=True)
         _report_stopped_ranks(beats)
     return rc
 
@@ -178,7 +194,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], beats: Path, held: "claim.
 def main(args: argparse.Namespace) -> int:
     overrides = recipe.split_cli_overrides(args, _add_launch_flags)
     try:
-        r = recipe.load(args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, here=True)
+        r = machine.load_here(args.recipe, overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
         if args.nnodes is None and r.layout.nodes > 1:
             raise recipe.RecipeError(
                 f"[cluster] nodes = {r.layout.nodes}: this recipe spans several nodes; submit it "
@@ -239,6 +255,7 @@ def _launch(args: argparse.Namespace, r: recipe.Recipe, held: "claim.Claim | Non
     beats = heartbeat.make_folder()
     try:
         env[heartbeat.DIR_ENV] = str(beats)
-        return run_torchrun(cmd, env, beats, held)
+        return run_torchrun(cmd, env, beats, held, logs=dump / "logs",
+                            shown=relay.shown_ranks(args.log_rank, args.nnodes))
     finally:
         shutil.rmtree(beats, ignore_errors=True)

@@ -17,18 +17,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="TorchTitan overrides applied to the recipe first")
 
 
+def whole_number(text: str) -> int:
+    """argparse type of a count (nodes, GPUs, rows): a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
+    return n
+
+
+def _share(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = -1.0
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a share of the GPU's memory in [0, 1), e.g. 0.15")
+    return x
+
+
 def _add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=None, help="nodes of the cluster (default: [cluster] nodes)")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: [cluster] gpus_per_node")
-    parser.add_argument("--gpu", default=None, choices=gpus.MODELS, help="default: [cluster] gpu")
+    parser.add_argument("--nodes", type=whole_number, default=None, help="nodes of the cluster (default: [cluster] nodes)")
+    parser.add_argument("--gpus-per-node", type=whole_number, default=None, help="default: [cluster] gpus_per_node")
+    parser.add_argument("--gpu", default=None, type=gpus.model_name, choices=gpus.MODELS,
+                        help="default: [cluster] gpu (any case)")
     parser.add_argument("--backend", action="append", default=None, choices=[c.label for c in scale_model.choices()],
                         help="rank this backend only (repeatable; default: all)")
     parser.add_argument("--keep", action="append", default=[], metavar="KEY=VALUE",
                         help=f"hold a choice fixed (repeatable); KEY one of {sorted(planner.KEEP_KEYS)}")
-    parser.add_argument("--top", type=int, default=10, help="rows per backend (default 10)")
+    parser.add_argument("--top", type=whole_number, default=10, help="rows per backend (default 10)")
     parser.add_argument("--global-tokens", default=None, metavar="MIN-MAX",
                         help="global batch range in tokens, e.g. 1M-4M (default: the recipe's, up to 4x)")
-    parser.add_argument("--headroom", type=float, default=0.15,
+    parser.add_argument("--headroom", type=_share, default=0.15,
                         help="share of GPU memory left free (default 0.15: at most 85%% in use)")
     parser.add_argument("--explain", action="store_true",
                         help="for each backend's best row, where its TFLOPS/GPU fall short of Megatron-Core's 944")
@@ -37,6 +59,20 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
 def _tokens(word: str) -> float:
     scale = {"K": 1e3, "M": 2**20, "G": 2**30}.get(word[-1:].upper(), 1)
     return float(word[:-1] if scale != 1 else word) * scale
+
+
+def token_span(global_tokens: str | None) -> tuple[float, float]:
+    """--global-tokens "MIN-MAX" as (min, max) tokens; (0, 0) when not given (PlanError if bad)."""
+    if not global_tokens:
+        return (0.0, 0.0)
+    lo, sep, hi = global_tokens.partition("-")
+    try:
+        span = (_tokens(lo), _tokens(hi))
+    except ValueError:
+        sep = ""
+    if not sep or not 0 < span[0] <= span[1]:
+        raise planner.PlanError(f"--global-tokens {global_tokens!r}: write MIN-MAX in tokens, e.g. 1M-4M")
+    return span
 
 
 def request(r: recipe.Recipe, nodes: int | None = None, gpus_per_node: int | None = None, gpu: str | None = None,
@@ -49,17 +85,7 @@ def request(r: recipe.Recipe, nodes: int | None = None, gpus_per_node: int | Non
     gpu = gpu or c.cluster.gpu
     if not gpu:
         raise planner.PlanError("the recipe names no [cluster] gpu: pass --gpu (one of " + ", ".join(gpus.MODELS) + ")")
-    span = (0.0, 0.0)
-    if isinstance(global_tokens, tuple):
-        span = global_tokens
-    elif global_tokens:
-        lo, sep, hi = global_tokens.partition("-")
-        try:
-            span = (_tokens(lo), _tokens(hi))
-        except ValueError:
-            sep = ""
-        if not sep or not 0 < span[0] <= span[1]:
-            raise planner.PlanError(f"--global-tokens {global_tokens!r}: write MIN-MAX in tokens, e.g. 1M-4M")
+    span = global_tokens if isinstance(global_tokens, tuple) else token_span(global_tokens)
     par = c.parallelism
     values = {
         "nodes": r.layout.nodes, "pp": r.layout.pp, "ep": r.layout.ep, "local_batch": c.training.local_batch_size,
@@ -69,7 +95,8 @@ def request(r: recipe.Recipe, nodes: int | None = None, gpus_per_node: int | Non
         "dualpipe_overlap": par.pipeline_parallel_expert_parallel_overlap, "overlap": c.moe_comm.overlap,
     }
     return planner.Request(
-        base=base, gpu=gpu, nodes=nodes or r.layout.nodes, gpus_per_node=gpus_per_node or r.layout.procs_per_node,
+        base=base, gpu=gpu, nodes=r.layout.nodes if nodes is None else nodes,
+        gpus_per_node=r.layout.procs_per_node if gpus_per_node is None else gpus_per_node,
         recv_capacity_factor=c.moe_comm.recv_capacity_factor, recipe_values=values,
         keep=planner.parse_keep(list(keep)), backends=planner.backend_choices(backends or []),
         global_tokens=span, headroom=headroom,
@@ -107,7 +134,8 @@ def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
 def explain(row: planner.Row) -> list[str]:
     p = row.prediction
     lines = [f"{row.label}: {p.tflops_per_gpu:,.0f} model TFLOPS/GPU predicted against Megatron-Core's "
-             f"{planner.MEGATRON_TFLOPS:.0f} (256 GB200, PP 8 VPP 4, EP 32, MXFP8; NOTES section 8), term by term:"]
+             f"{planner.MEGATRON_TFLOPS:.0f} (256 GB200, PP 8 VPP 4, EP 32, MXFP8; {planner.MEGATRON_SOURCE}), "
+             "term by term:"]
     for term, cost in planner.shortfall(p):
         lines.append(f"  {cost:>+8,.0f} TFLOPS  {term}")
     lines.append(f"  (= {planner.MEGATRON_TFLOPS - p.tflops_per_gpu:+,.0f}; Megatron's GB200 peak is 2.5 PFLOPS "
@@ -117,6 +145,12 @@ def explain(row: planner.Row) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     overrides = recipe.split_cli_overrides(args, _add_flags)
+    try:  # what the flags say alone, before the recipe (and TorchTitan) load
+        planner.parse_keep(args.keep)
+        token_span(args.global_tokens)
+    except planner.PlanError as e:
+        print(f"plan error: {e}", file=sys.stderr)
+        return 2
     try:
         r = recipe.load(args.recipe, overrides, device="cuda", gpu=args.gpu or "", check_paths=False)
     except recipe.RecipeError as e:

@@ -508,7 +508,9 @@ def split_cli_overrides(args, add_flags) -> list[str]:
     if "--" in rest:
         i = rest.index("--")
         rest, tail = rest[:i], rest[i + 1 :]
-    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    # the verb's name in its usage line (argparse would name the file: "__main__.py")
+    prog = f"python -m moe_comm {getattr(args, 'verb', '') or ''}".rstrip()
+    ours = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
     add_flags(ours)
     defaults = vars(ours.parse_args([]))
     parsed, unknown = ours.parse_known_args(rest)

@@ -23,10 +23,12 @@ from typing import Any
 from moe_comm import plots
 from moe_comm.backends import backend_class, baseline, names
 from moe_comm.config import MoEComm
-from moe_comm.metrics import keys
+from moe_comm.metrics import history, keys
 from moe_comm.metrics.keys import JSONL_NAME
 
-DEFAULT_WARMUP_STEPS = 2
+DEFAULT_WARMUP_STEPS = history.WARMUP_STEPS  # the footer's too: both say their window
+# What the step line shows as n/a on CPU (no peak to divide by, no device memory): n/a here too
+NOT_ON_CPU = (keys.TFLOPS, keys.MFU, keys.MEM_RESERVED)
 # What a plot says when nobody said which kernels its runs were built from (the runs do not record it).
 KERNELS_NOT_STATED = "not stated (--kernels COMMIT: the commit whose csrc/ the runs were built from)"
 
@@ -109,12 +111,9 @@ def find_jsonl(path: Path) -> list[Path]:
 
 
 def load_run(jsonl: Path) -> Run:
-    by_step = {}  # a resumed run appends the steps after its checkpoint again: keep the last
-    for line in jsonl.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_step[record["step"]] = record
-    records = [by_step[step] for step in sorted(by_step)]
+    # one row per step, the newest start's (moe_comm.metrics.history: a run's start moves the
+    # rows it supersedes aside; a file from before that rule is read by the same rule)
+    records = history.newest_rows(jsonl.read_text().splitlines())
     if not records:
         raise ValueError(f"{jsonl} has no steps (did the run reach its first log step?)")
     static_keys = (keys.RECIPE, keys.BACKEND, keys.BACKEND_OPTIONS, keys.DEVICE, keys.PEAK_DTYPE,
@@ -145,7 +144,8 @@ def _reduce(values: list[float], how: str) -> float | None:
 def summarize_run(run: Run, warmup_steps: int = DEFAULT_WARMUP_STEPS, relative_to: Path | None = None) -> dict[str, Any]:
     """Steady-state numbers: steps after `warmup_steps` (all steps if there are no more).
     The run's folder is given relative to `relative_to` (the report's folder) when set."""
-    steady = [r for r in run.records if r["step"] > warmup_steps] or run.records[-1:]
+    window = set(history.steady_steps([r["step"] for r in run.records], warmup_steps))
+    steady = [r for r in run.records if r["step"] in window]
     folder = run.path.parent
     summary: dict[str, Any] = {
         "run": os.path.relpath(folder, relative_to) if relative_to else str(folder),
@@ -158,8 +158,10 @@ def summarize_run(run: Run, warmup_steps: int = DEFAULT_WARMUP_STEPS, relative_t
         "peak_dtype": run.static.get(keys.PEAK_DTYPE, "bf16"),
         "steps_summarized": [r["step"] for r in steady],
     }
+    cpu = run.static.get(keys.DEVICE) == "CPU"
     for name, key, how in _SUMMARY_FIELDS:
-        summary[name] = _reduce([r.get(key) for r in steady], how)
+        summary[name] = None if cpu and key in NOT_ON_CPU else _reduce([r.get(key) for r in steady], how)
+    summary["window"] = history.window_text(summary["steps_summarized"], warmup_steps)
     return summary
 
 
@@ -179,11 +181,15 @@ def _fmt(value: Any, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _steps(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else (str(steps[0]) if steps else "none")
+
+
 def markdown_table(summaries: list[dict[str, Any]]) -> str:
     name = baseline().name
     header = (f"| recipe | backend | batch×seq | tok/s/GPU | vs {name} | TFLOPS | MFU % | "
               "comm not hidden % | dispatch ms | combine ms | step ms | sent GB/step | "
-              "rank imbalance | mem GiB | loss |")
+              "rank imbalance | mem GiB | loss | steps |")
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
     for s in summaries:
         mfu = _fmt(s["mfu"], ".2f") + ("" if s["peak_dtype"] == "bf16" else f" ({s['peak_dtype']} peak)")
@@ -193,7 +199,7 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
             f"{_fmt(s['comm_exposed_pct'], '.1f')} | {_fmt(s['dispatch_ms'], '.2f')} | "
             f"{_fmt(s['combine_ms'], '.2f')} | {_fmt(s['step_ms'], '.1f')} | "
             f"{_fmt(s['sent_gb'], '.3f')} | {_fmt(s['imbalance_rank'], '.3f')} | "
-            f"{_fmt(s['mem_reserved_gib'], '.1f')} | {_fmt(s['loss'], '.4f')} |"
+            f"{_fmt(s['mem_reserved_gib'], '.1f')} | {_fmt(s['loss'], '.4f')} | {_steps(s['steps_summarized'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -295,7 +301,7 @@ def write_plots(runs: list[Run], summaries: list[dict[str, Any]], out: Path, ker
     ax.barh(y, combine, left=dispatch, color=colors, alpha=0.45)
     ax.barh(y, rest, left=[d + c for d, c in zip(dispatch, combine)], color="0.85")
     ax.set_yticks(y, labels, fontsize=8)
-    ax.set_xlabel("ms per step (median after warm-up)")
+    ax.set_xlabel(f"ms per step (median over the steps after the first {DEFAULT_WARMUP_STEPS}: warm-up)")
     ax.legend(
         handles=[Patch(color="0.2", label="dispatch (fwd+bwd)"), Patch(color="0.2", alpha=0.45, label="combine (fwd+bwd)"),
                  Patch(color="0.85", label="rest of step")],
@@ -341,7 +347,9 @@ def build_report(
         "",
         f"Kernels: {kernels_text(kernels)}.",
         "",
-        f"Medians over steps after the first {warmup_steps} (warm-up); memory is the max. "
+        f"Medians over the steps after the first {warmup_steps} (warm-up: start-up, compilation; a run "
+        "with none after it: its last step alone), column 'steps'; memory is the max. n/a: not measured, or "
+        "no meaning on the run's device (TFLOPS, MFU and memory on CPU, as on the step line). "
         "'comm not hidden' = compute-stream time inside dispatch + combine (forward and backward, "
         "all MoE layers) over step time. 'sent' = bytes leaving each rank per step.",
         "",

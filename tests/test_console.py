@@ -166,7 +166,8 @@ def test_cpu_default_job_prints_one_line_per_step(default_run):
     # "still ... (N s so far)" progress lines come only while a phase is slow (a loaded machine)
     header = [m for m in header if not m.startswith("still ")]
     assert len(header) <= 8 and len(footer) <= 2, "\n".join(lines)
-    assert header[0].startswith("+ ") and "torchtitan.train" in header[0]  # the command run
+    assert header[0].startswith("+ ") and "-m moe_comm.trainer" in header[0]  # the command run (TorchTitan's trainer)
+    assert not any("torchtitan version" in m for m in messages)  # every run: for the log file only
     assert any(m.startswith("moe_comm: debug_cpu, backend nccl, 2 x CPU (dp_shard 2, ep 2), 5 steps") for m in header)
     assert any("MFU n/a on CPU" in m and "full log" in m for m in header)
     assert re.match(r"moe_comm: done at step 5/5 in \d+:\d\d; loss [\d.]+ -> [\d.]+; median [\d.]+ s/step", footer[0])
@@ -182,6 +183,7 @@ def test_cpu_default_job_prints_one_line_per_step(default_run):
     # everything else is in the rank's log file, expected warnings explained
     log = (dump / "logs" / "rank0.log").read_text()
     assert "Building deepseek_v3_moe_comm debugmodel" in log  # TorchTitan's model dump
+    assert "torchtitan version: 0.2.2" in log
     assert "Failed to use grouped mm" in log and "[expected: no grouped GEMM on CPU" in log
     assert "UserWarning: DTensor random operators" in log
     assert (dump / "logs" / "rank1.log").is_file()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_comm import files, recipe
+from moe_comm import files, gpus, recipe
 from moe_comm.__main__ import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,6 +62,13 @@ def test_an_unusable_dump_folder_is_named_by_check_submit_and_train(case, tmp_pa
     err = capsys.readouterr().err
     assert f"submit: {field}" in err, err
 
+    # a dry run renders the script (the paths may be the cluster's) and lists what a real submit
+    # from here refuses, in check's words
+    assert main(["submit", DEBUG, "--dry-run", "--job.dump_folder", folder]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("#!/bin/bash")
+    assert "submit: launch blockers (1): " in out.err and f"submit:   - {field}" in out.err, out.err
+
 
 def test_a_writable_dump_folder_passes_and_nothing_is_left_behind(tmp_path):
     assert files.dump_folder_problem(str(tmp_path / "new" / "run")) == ""
@@ -90,8 +97,8 @@ BAD_DATASETS = [
     ("no text field", "train.jsonl", _lines(3, body="hello"), ["line 1: the record has no 'text' field", "['body']"]),
     ("text not a string", "train.jsonl", _lines(2, text=7), ["line 1: the record's 'text' is a int"]),
     ("not JSON", "train.jsonl", b"hello world\n", ["line 1 is not a JSON record"]),
-    ("truncated", "train.jsonl", _lines(50)[:-9], ["the last line is not a JSON record", "truncated"]),
-    ("truncated early", "train.jsonl", _lines(50)[:30], ["line 2 is not a JSON record"]),
+    ("truncated", "train.jsonl", _lines(50)[:-9], ["line 50, the last, is not a JSON record", "truncated"]),
+    ("truncated early", "train.jsonl", _lines(50)[:30], ["line 2, the last, is not a JSON record"]),
     ("broken gzip", "c4-train.00000-of-01024.json.gz", gzip.compress(_lines(2000))[:30], ["cannot be read"]),
     ("gzip without text", "c4-train.00000-of-01024.json.gz", gzip.compress(_lines(3, url="u")), ["no 'text' field"]),
 ]
@@ -158,15 +165,18 @@ def test_the_assets_verb_is_suggested_only_when_it_can_fetch(tmp_path):
     assert "fetches it from org/tok" in blocker
 
 
-def test_a_stand_in_tokenizer_far_smaller_than_the_model_is_a_warning(capsys):
+def test_a_stand_in_tokenizer_far_smaller_than_the_model_is_a_warning(capsys, monkeypatch):
     tiny = ["--model.hf_assets_path", "./assets/tiny", "--training.dataset", "c4_test",
             "--training.dataset_path", "./assets/tiny/c4_tiny"]
     r = recipe.load(FLAGSHIP, tiny)
     (warning,) = [w for w in r.warnings if w.startswith("[model] hf_assets_path")]
     assert "a 453-token tokenizer for a model of 129,280" in warning and "stand-in" in warning
     assert recipe.load(DEBUG, device="cpu").warnings == []  # debugmodel embeds 2,048: 4.5x, not a stand-in
-    assert main(["check", FLAGSHIP, *tiny]) == 0
-    assert f"warning     {warning}" in capsys.readouterr().out
+    monkeypatch.setattr(gpus, "this_machine", lambda: None)
+    assert main(["check", FLAGSHIP, *tiny]) == 1  # the files are there; what blocks is this machine's lack of a GPU
+    out = capsys.readouterr().out
+    assert f"warning     {warning}" in out
+    assert "launch blockers (1)" in out and "  - `train` on this machine (no CUDA GPU) refuses this recipe: " in out
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_a_blocker(tmp_path):
@@ -181,18 +191,107 @@ def test_a_tokenizer_larger_than_the_embedding_is_a_blocker(tmp_path):
 
 # ---- check plans from a laptop ----------------------------------------------------------------
 
-def test_check_plans_the_flagship_without_its_tokenizer_and_data(capsys):
-    """No DeepSeek-V3 tokenizer and no /data/c4 here: the layout, memory and predictions still
-    print, then both blockers with their fix, and the exit status says it cannot launch."""
+def test_check_plans_the_flagship_without_its_tokenizer_and_data(capsys, monkeypatch):
+    """No DeepSeek-V3 tokenizer, no /data/c4 and no GPU here: the layout, memory and predictions
+    still print, then the blockers with their fix (the files, then what `train` refuses on this
+    machine), and the exit status says it cannot launch."""
     assert not Path("/data/c4").exists() and not (REPO / "assets" / "hf" / "DeepSeek-V3").exists()
+    monkeypatch.setattr(gpus, "this_machine", lambda: None)
     assert main(["check", FLAGSHIP]) == 1
     out = capsys.readouterr().out
     for line in ("layout      world 256", "memory/GPU  ", "scale model B200", "expected fastest on this cluster"):
         assert line in out, out
-    blockers = out.split("launch blockers (2):", 1)[1].splitlines()[1:]
+    blockers = out.split("launch blockers (3):", 1)[1].splitlines()[1:]
     assert blockers[0].startswith("  - [model] hf_assets_path = './assets/hf/DeepSeek-V3' is not a directory")
     assert blockers[1].startswith("  - [training] dataset_path = '/data/c4' does not exist: ")
-    assert all(f"python -m moe_comm assets {FLAGSHIP}" in b for b in blockers)
+    assert all(f"python -m moe_comm assets {FLAGSHIP}" in b for b in blockers[:2])
+    assert blockers[2].startswith("  - `train` on this machine (no CUDA GPU) refuses this recipe: ")
     # --skip-files: checking a recipe for another machine, nothing blocks here
     assert main(["check", FLAGSHIP, "--skip-files"]) == 0
     assert "ready       nothing blocks a launch" in capsys.readouterr().out
+
+
+# ---- a corrupt record deep in a local dataset (issue 32 item 9) -------------------------------
+
+def _deep(n: int = 600, bad_at: int = 401, bad: bytes = b'{"text": "cut off here\n') -> bytes:
+    lines = _lines(n).splitlines(keepends=True)
+    lines[bad_at - 1] = bad
+    return b"".join(lines)
+
+
+DEEP = [
+    ("cut mid-record", b'{"text": "cut off here\n', "line 401 is not a JSON record"),
+    ("no text field", b'{"body": "x"}\n', "line 401: the record has no 'text' field"),
+    ("text not a string", b'{"text": null}\n', "line 401: the record's 'text' is a NoneType, not text"),
+]
+
+
+@pytest.mark.parametrize("what,bad,words", DEEP, ids=[d[0] for d in DEEP])
+def test_a_corrupt_record_deep_in_a_local_file_is_named_before_launch(what, bad, words, tmp_path):
+    """Line 401 of 600: named once with its file, line and field before any rank starts (the first
+    records and the last line were all that was read: torchrun started and every rank failed)."""
+    folder = _dataset(tmp_path, "train.jsonl", _deep(bad=bad))
+    (blocker,) = _blockers("--training.dataset_path", folder)
+    assert f"{Path(folder) / 'train.jsonl'} {words}" in blocker, blocker
+
+
+def test_every_file_of_the_split_is_read_and_gzip_too(tmp_path):
+    folder = Path(_dataset(tmp_path, "c4-train.00000-of-00002.json.gz", gzip.compress(_lines(300))))
+    (folder / "c4-train.00001-of-00002.json.gz").write_bytes(gzip.compress(_deep(bad=b'{"url": "u"}\n')))
+    (blocker,) = _blockers("--training.dataset_path", str(folder))
+    assert f"{folder / 'c4-train.00001-of-00002.json.gz'} line 401: the record has no 'text' field" in blocker
+
+
+def test_beyond_the_reading_bound_the_rest_is_a_note(tmp_path, monkeypatch):
+    """A dataset larger than what is read before launch: its first records and its last line are
+    checked, and a note says how far the reading went (the ranks name a bad record later)."""
+    monkeypatch.setattr(files, "FULL_READ_BYTES", 2_000)
+    folder = _dataset(tmp_path, "train.jsonl", _deep())
+    r = recipe.load(DEBUG, ["--training.dataset_path", folder], device="cpu")
+    assert r.blockers == []
+    (note,) = [n for n in r.notes if "dataset_path" in n]
+    assert "train.jsonl read to line 9" in note and "2 kB read before launch" in note, note
+
+
+def _titan_config(dataset_path: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", DEBUG, "--training.dataset_path", dataset_path])
+
+
+@pytest.mark.parametrize("what,bad,words", DEEP[:2], ids=[d[0] for d in DEEP[:2]])
+def test_past_the_bound_the_rank_names_the_record_in_one_error(what, bad, words, tmp_path):
+    """A bad record `train` did not reach before launch: TorchTitan's loader fails on it in the
+    rank (datasets' JSON reader while loading, or the text field while training), and the train
+    spec's dataloader (moe_comm.titan.data) raises one RecipeError naming file, line and field."""
+    import moe_comm.titan  # noqa: F401  registers the flavors, the CPU adaptations
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from moe_comm.titan import data
+
+    folder = _dataset(tmp_path, "train.jsonl", _deep(bad=bad))
+    tokenizer = HuggingFaceTokenizer(str(REPO / "assets" / "tiny"))
+    with pytest.raises(recipe.RecipeError) as e:
+        loader = data.build_dataloader(1, 0, tokenizer, _titan_config(folder), infinite=False)
+        for _ in loader:
+            pass
+    assert f"{Path(folder) / 'train.jsonl'} {words}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_rank_prints_a_recipe_error_as_one_line(tmp_path, capsys, monkeypatch):
+    """No traceback on the console for bad input only a rank could see: one line, the traceback in
+    the rank's log."""
+    from moe_comm import console
+
+    monkeypatch.setattr(console.sys, "excepthook", lambda *exc_info: pytest.fail("a traceback was printed"))
+    monkeypatch.setenv("RANK", "1")
+    log = console.RankLogFile()
+    log.open(str(tmp_path / "rank1.log"))
+    console._write_pending_on_crash(log)
+    try:
+        raise recipe.RecipeError("[training] dataset_path = './d': ./d/train.jsonl line 401 is not a JSON record")
+    except recipe.RecipeError as e:
+        console.sys.excepthook(type(e), e, e.__traceback__)
+    assert capsys.readouterr().err == ("moe_comm: rank 1: [training] dataset_path = './d': ./d/train.jsonl line 401 "
+                                       "is not a JSON record\n")
+    assert "Traceback (most recent call last)" in (tmp_path / "rank1.log").read_text()

@@ -34,7 +34,7 @@ def _cmd(proc) -> str:
 def test_single_node_command_with_overrides(dry, tmp_path):
     line = _cmd(dry("--training.steps", "5"))
     assert "--standalone --nproc_per_node 2" in line
-    assert line.endswith("-m torchtitan.train --job.config_file recipes/debug_cpu.toml --job.dump_folder "
+    assert line.endswith("-m moe_comm.trainer --job.config_file recipes/debug_cpu.toml --job.dump_folder "
                          f"{tmp_path} --training.steps 5")
 
 
@@ -67,3 +67,44 @@ def test_multi_node_recipe_needs_rendezvous(dry):
     proc = dry("--cluster.nodes", "2")
     assert proc.returncode == 2
     assert "[cluster] nodes = 2" in proc.stderr and "--rdzv-endpoint" in proc.stderr
+
+
+# ---- check and train agree about this machine (issue 32 item 4) -------------------------------
+
+ONE_GPU = "recipes/deepseek_v3_671b_h200x1.toml"
+
+
+def test_check_lists_what_train_refuses_on_a_machine_without_a_gpu(capsys, monkeypatch, tmp_path):
+    """The one-GPU recipe on a machine without a GPU: `check` still plans it for its H200, then
+    lists what `train` refuses here as a launch blocker (exit 1), in train's own words; it said
+    "ready" while `train` refused."""
+    from moe_comm import gpus
+
+    monkeypatch.setattr(gpus, "this_machine", lambda: None)
+    dump = ["--job.dump_folder", str(tmp_path / "d")]
+    assert main(["train", ONE_GPU, "--dry-run", *dump]) == 2
+    refused = capsys.readouterr().err.strip().removeprefix("recipe error: ")
+    assert "needs CUDA GPUs" in refused
+    assert main(["check", ONE_GPU, *dump]) == 1
+    out = capsys.readouterr().out
+    assert "scale model H200" in out and "ready" not in out
+    assert f"launch blockers (1)" in out
+    assert f"  - `train` on this machine (no CUDA GPU) refuses this recipe: {refused}" in out
+    assert main(["check", ONE_GPU, "--skip-files", *dump]) == 0  # for another machine: nothing blocks here
+
+
+def test_a_cpu_run_beyond_this_machines_memory_is_refused_before_launch(capsys, monkeypatch, tmp_path):
+    """The one-GPU recipe's 5.7B model with nccl on a 23 GiB CPU machine: `train` (and --dry-run)
+    refuse it with the estimate and the memory, `check` lists the same; the CPU main job fits."""
+    from moe_comm import machine
+
+    monkeypatch.setattr(machine, "memory_bytes", lambda: 23 * 2**30)
+    flags = ["--moe_comm.backend", "nccl", "--job.dump_folder", str(tmp_path / "d")]
+    assert main(["train", ONE_GPU, "--dry-run", *flags]) == 2
+    out = capsys.readouterr()
+    assert "+ " not in out.out
+    assert "needs about 97.5 GiB (1 process(es) x 97.5 GiB" in out.err and "this machine has 23.0 GiB" in out.err
+    assert "--model.flavor debugmodel" in out.err
+    assert main(["check", ONE_GPU, "--device", "cpu", *flags]) == 1
+    assert "this machine has 23.0 GiB" in capsys.readouterr().out.split("launch blockers")[1]
+    assert main(["train", "recipes/debug_cpu.toml", "--dry-run", "--job.dump_folder", str(tmp_path / "e")]) == 0

@@ -136,3 +136,116 @@ def test_the_flagship_is_the_plans_best_nvshmem_layout():
     req = plan_verb.request(r, backends=["nvshmem"], keep=["ep=32", "pp=8"], global_tokens="1M-4M")
     best = planner.plan(req, calibration.calibrate(), top=1)["nvshmem"][0]
     assert best.overrides == ["--moe_comm.backend", "nvshmem"], best.overrides
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--nodes", "0"], "argument --nodes: '0' must be a whole number >= 1"),
+    (["--nodes", "-2"], "argument --nodes: '-2' must be a whole number >= 1"),
+    (["--nodes", "1.5"], "argument --nodes: '1.5' must be a whole number >= 1"),
+    (["--gpus-per-node", "0"], "argument --gpus-per-node: '0' must be a whole number >= 1"),
+    (["--top", "0"], "argument --top: '0' must be a whole number >= 1"),
+    (["--top", "-1"], "argument --top: '-1' must be a whole number >= 1"),
+    (["--headroom", "1"], "argument --headroom: '1' must be a share of the GPU's memory in [0, 1)"),
+    (["--gpu", "X100"], "argument --gpu: invalid choice: 'X100'"),
+    (["--backend", "foo"], "argument --backend: invalid choice: 'foo'"),
+])
+@pytest.mark.parametrize("where", ["before the recipe", "after the recipe"])
+def test_plan_flags_refused_with_the_verbs_usage(flags, message, where, capsys, monkeypatch):
+    """A value the plan cannot mean is refused by argparse (exit 2, before the recipe loads), with
+    the usage of `python -m moe_comm plan`, wherever the flag stands."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(recipe, "load", lambda *a, **k: pytest.fail("the recipe was loaded"))
+    argv = [*flags, "recipes/deepseek_v3_671b_b200.toml"] if where == "before the recipe" else \
+        ["recipes/deepseek_v3_671b_b200.toml", *flags]
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m moe_comm plan ") and f"python -m moe_comm plan: error: {message}" in err
+
+
+@pytest.mark.parametrize("verb", ["check", "train"])
+def test_every_verbs_flags_after_the_recipe_name_the_verb(verb, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as e:
+        main([verb, "recipes/debug_cpu.toml", "--nproc-per-node", "x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: python -m moe_comm {verb} ") and "__main__.py" not in err
+
+
+def test_plan_gpu_is_case_insensitive(capsys, monkeypatch):
+    """--gpu b200 is the GPU table's B200 (plan and check)."""
+    monkeypatch.chdir(REPO)
+    assert main(["plan", "recipes/deepseek_v3_671b_b200.toml", "--gpu", "b200", "--keep", "ep=32", "--keep", "pp=8",
+                 "--backend", "nvshmem", "--top", "1"]) == 0
+    assert "on 32 x 8 B200 (256 GPUs)" in capsys.readouterr().out
+    from moe_comm import check
+
+    parser = __import__("argparse").ArgumentParser()
+    check.add_arguments(parser)
+    assert parser.parse_args(["--gpu", "h100 pcie", "r.toml"]).gpu == "H100 PCIe"
+
+
+@pytest.mark.parametrize("keep,message", [
+    ("epp=32", "--keep 'epp=32': write KEY=VALUE"),
+    ("ep=x", "--keep 'ep=x': ep takes a whole number"),
+    ("ac=some", "ac is one of"),
+])
+def test_plan_refuses_a_bad_keep_before_loading_the_recipe(keep, message, capsys, monkeypatch):
+    """What --keep says is checked before the recipe (and TorchTitan) load and long before the
+    routing statistics."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(recipe, "load", lambda *a, **k: pytest.fail("the recipe was loaded"))
+    assert main(["plan", "recipes/deepseek_v3_671b_b200.toml", "--keep", keep]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plan error: ") and message in err
+
+
+def test_plan_says_why_nothing_fits_on_a_huge_cluster(capsys, monkeypatch):
+    """100,000 nodes: even one sequence per data-parallel rank makes a global batch far above the
+    range asked for; the refusal says so in those words, not that the kept values exclude all."""
+    monkeypatch.chdir(REPO)
+    assert main(["plan", "recipes/deepseek_v3_671b_b200.toml", "--nodes", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "kept values" not in err and err.count("\n") == 1
+    assert "on 100000 x 8 B200 (800,000 GPUs) the smallest global batch is" in err
+    assert "above the range searched" in err and "--global-tokens" in err and "fewer nodes" in err
+
+
+def test_a_plan_prices_each_ranks_compute_once(monkeypatch):
+    """A layout's compute is the same for every backend and MoE overlap: the plan asks the layer
+    model once per layout and pipeline rank (it asked once per backend and overlap, the larger
+    part of a plan's time)."""
+    from moe_comm.predict import layer_compute
+
+    asked = []
+    real = layer_compute._rank_ms
+
+    def counted(bench, w, gpu, layers, embedding, output):
+        asked.append((tuple(vars(w.layout).values()), w.local_batch, w.microbatch, w.ac_mode, tuple(layers),
+                      embedding, output))
+        return real(bench, w, gpu, layers, embedding, output)
+
+    monkeypatch.setattr(layer_compute, "_rank_ms", counted)
+    cal = calibration.calibrate()
+    cal.layer_bench.memo.clear()
+    r = recipe.load(FLAGSHIP, [], device="cuda", check_paths=False)
+    req = plan_verb.request(r, backends=["nvshmem", "deepep", "nccl"], keep=["ep=32", "pp=8"])
+    planner.plan(req, cal, top=1)
+    assert asked and len(asked) == len(set(asked))
+
+
+def test_the_product_cites_only_what_a_clone_has():
+    """Every figure the product quotes points at a file of the repository or states its public
+    source: `plan --explain` cited "NOTES section 8", a file users do not have."""
+    cited = []
+    for folder in ("moe_comm", "recipes"):
+        for path in (REPO / folder).rglob("*"):
+            if path.suffix in (".py", ".toml") and ("NOTES" in path.read_text() or "shared/" in path.read_text()):
+                cited.append(str(path.relative_to(REPO)))
+    assert cited == []
+    r = recipe.load(FLAGSHIP, [], device="cuda", check_paths=False)
+    req = plan_verb.request(r, backends=["nvshmem"], keep=["ep=32", "pp=8"])
+    line = plan_verb.explain(planner.plan(req, calibration.calibrate(), top=1)["nvshmem"][0])[0]
+    assert "NOTES" not in line and "deepseek-v3-gb200-optimization" in line

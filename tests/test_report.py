@@ -62,9 +62,9 @@ def test_report_two_runs(tmp_path):
     rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| debug_cpu")]
     assert rows == [
         "| debug_cpu | nccl | b2xs256 | 1,000 | 1.000 | 500.0 | 10.00 | 7.0 | 3.00 | 4.00 | "
-        "100.0 | 0.250 | 1.100 | 45.0 | 5.0000 |",
+        "100.0 | 0.250 | 1.100 | 45.0 | 5.0000 | 3-5 |",
         "| debug_cpu | nvshmem-sm24 | b2xs256 | 1,200 | 1.200 | 600.0 | 12.00 | 3.1 | 1.00 | 1.50 | "
-        "80.0 | 0.250 | 1.100 | 45.0 | 5.0000 |",
+        "80.0 | 0.250 | 1.100 | 45.0 | 5.0000 | 3-5 |",
     ]
     summary = json.loads((out / "summary.json").read_text())
     assert [s["steps_summarized"] for s in summary] == [[3, 4, 5], [3, 4, 5]]

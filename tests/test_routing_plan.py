@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from moe_comm.predict.routing_plan import (
+    ROUTINGS,
+    Draw,
     draw_topk,
     plan,
     routing_statistics,
@@ -198,3 +200,17 @@ def test_node_limited_statistics_reproduce_notes_table(ep):
     assert s.ranks_hit_per_token == pytest.approx(ranks, abs=0.02)
     assert s.rank_dedup == pytest.approx(per_rank, abs=0.02)
     assert s.node_dedup == pytest.approx(per_node, abs=0.03)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_one_draw_serves_every_ep_degree(routing):
+    """The first W ranks of a longer draw are the draw for W ranks, however it was extended, so
+    routing_statistics at EP 8 ... 256 share one draw (a plan drew each EP degree afresh)."""
+    long_WTK = draw_topk(routing, 8, 100, 64, 6, seed=5)
+    assert torch.equal(draw_topk(routing, 3, 100, 64, 6, seed=5), long_WTK[:3])
+    d = Draw(routing, 100, 64, 6, seed=5)
+    assert torch.equal(d.ranks(3), long_WTK[:3]) and torch.equal(d.ranks(8), long_WTK)
+    assert torch.equal(d.ranks(5), long_WTK[:5])
+    fresh = routing_statistics.__wrapped__(routing, 8, 4, 64, 6, tokens=100, seed=5)
+    routing_statistics(routing, 16, 4, 64, 6, tokens=100, seed=5)  # extends the shared draw first
+    assert routing_statistics(routing, 8, 4, 64, 6, tokens=100, seed=5) == fresh

@@ -264,7 +264,7 @@ def test_launcher_leaves_nvlink_multicast_alone(monkeypatch, tmp_path):
     monkeypatch.setattr(launch.recipe, "load", lambda *a, **k: load(*a, **{**k, "device": "cuda"}))
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     seen = {}
-    monkeypatch.setattr(launch, "run_torchrun", lambda cmd, env, *rest: seen.update(env) or 0)
+    monkeypatch.setattr(launch, "run_torchrun", lambda cmd, env, *rest, **kw: seen.update(env) or 0)
     args = argparse.Namespace(recipe=str(DEBUG_CPU), overrides=["--job.dump_folder", str(tmp_path)], nproc_per_node=None,
                               nnodes=None, rdzv_endpoint=None, rdzv_id=None, log_rank="0", dry_run=False)
     assert launch.main(args) == 0

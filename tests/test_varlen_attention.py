@@ -18,7 +18,8 @@ import torch.nn.functional as F
 import moe_comm.titan  # noqa: F401  (CPU adaptations, flavors)
 from moe_comm import recipe
 from moe_comm.predict import documents
-from moe_comm.titan import attention, flavors
+from moe_comm.layout import flavors
+from moe_comm.titan import attention
 
 from torchtitan.models.attention import VarlenAttentionWrapper, VarlenMetadata
 from torchtitan.models.deepseek_v3 import deepseekv3_args, DeepSeekV3ModelArgs

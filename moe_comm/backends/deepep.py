@@ -77,8 +77,8 @@ class DeepEPBackend(CommBackend):
     sends_once_per_rank = True
     IDENTITY_OPTIONS = ("num_sms",)
     color = "#2ca02c"
-    # TorchTitan's DeepEP path waits on the host for the received counts (NOTES §7), priced as
-    # the standard path's host round trip per call
+    # TorchTitan's DeepEP path waits on the host for the received counts
+    # (torchtitan/distributed/deepep/deepep.py), priced as the standard path's host round trip per call
     costs = CostTraits(hierarchical=True, transport="DeepEP kernels", host_syncs_per_dispatch=1,
                        layout="TorchTitan DeepEP")
 

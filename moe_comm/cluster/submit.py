@@ -76,9 +76,11 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
         rest += ["--cluster.nodes", str(nodes)]
     args.dry_run = args.dry_run or opts.dry_run
     args.wait = args.wait or opts.wait
-    # Paths (tokenizer, dataset) are checked only when really submitting: on a Soperator login
-    # node the jail is the workers' filesystem, while a --dry-run may render anywhere.
-    r = recipe.load(args.recipe, rest, check_paths=not args.dry_run)
+    # The paths (tokenizer, dataset, dump folder: moe_comm.files, as `check` sees them) stop a
+    # real submit; a --dry-run may render anywhere (on a Soperator login node the jail is the
+    # workers' filesystem, a laptop has none of it), so it lists them after the script instead.
+    r = recipe.load(args.recipe, rest, allow_blockers=args.dry_run)
+    args.blockers = r.blockers
     config, cluster = r.config, r.config.cluster
     for note in r.notes:
         print(f"submit: note: {note}", file=sys.stderr)
@@ -118,6 +120,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         sys.stdout.write(script)
+        if args.blockers:
+            print(f"submit: launch blockers ({len(args.blockers)}): `submit` refuses this job from this machine "
+                  "until each is fixed (where the paths are the cluster's, submit from its login node):",
+                  file=sys.stderr)
+            for blocker in args.blockers:
+                print(f"submit:   - {blocker}", file=sys.stderr)
         return 0
     if shutil.which("sbatch") is None:
         print("submit: sbatch is not on PATH: run this on a Slurm login node, or use --dry-run", file=sys.stderr)

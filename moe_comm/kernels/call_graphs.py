@@ -9,8 +9,8 @@ launch. Our ops can be captured because nothing on their path waits for the host
   and advance when the communication kernels run. A capture runs nothing, so it leaves them as
   they were, and a replay advances them exactly as the same call made eagerly would: graphed
   and eager calls mix freely, and every rank still issues the same calls in the same order;
-- after start-up the backend issues no NVSHMEM host call (NOTES.md §7: the host barrier that
-  aborted a capture is gone), and an error is read from the error words after the fact.
+- after start-up the backend issues no NVSHMEM host call (NVSHMEM's on-stream host barrier,
+  which aborts a process under capture, is gone), and an error is read from the error words after the fact.
 
 What a graph reads and writes. A captured kernel keeps the pointers it was captured with, so:
 - **inputs are read where they are.** A graph is keyed by the address, shape, stride and dtype

@@ -3,8 +3,8 @@
 "671B_layers" is DeepSeek-V3-671B's layer shape (hidden 7168, MLA with q_lora 1536, 128 heads,
 sigmoid top-8 routing with node-limited groups, one shared expert, moe_inter_dim 2048) cut to
 fit two H200s: 1 dense + 2 MoE layers with 64 routed experts instead of 58 + 256, and SDPA
-causal attention instead of FlexAttention. Its throughput, MFU and memory on two H200s
-(recipes/deepseek_v3_671b_layers_h200x2.toml) are in results/ (results/README.md).
+causal attention instead of FlexAttention. Its training runs on 2xH200 (4 x 4096 tokens per
+GPU, EP=2, no AC): results/README.md, "Training, 2×H200".
 
 The one-GPU flavors keep the same layers and cut the expert count so that fp32 parameters,
 AdamW moments and gradients (16 bytes per parameter, the bulk of a one-GPU step's memory) fit:

@@ -154,19 +154,23 @@ def wandb_logged_in() -> bool:
     return bool(auth and auth[2])
 
 
-def wandb_run_id(name: str) -> str | None:
+def wandb_run_id(name: str, superseded: bool = False) -> str | None:
     """Under Slurm, the W&B run id of this job: the same for every restart of a requeued job,
-    different for every other job. None outside Slurm (W&B picks a fresh id)."""
+    different for every other job; a restart that superseded logged steps (moe_comm.metrics.
+    history: W&B would drop them) gets its own, "-r{restart}". None outside Slurm (W&B picks a
+    fresh id for every start)."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return None
     cluster = re.sub(r"[^A-Za-z0-9_-]", "_", os.environ.get("SLURM_CLUSTER_NAME", "slurm"))[:20]
-    return f"{cluster}-{job}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    segment = f"-r{os.environ.get('SLURM_RESTART_COUNT', '0')}" if superseded else ""
+    return f"{cluster}-{job}-{hashlib.sha1(name.encode()).hexdigest()[:8]}{segment}"
 
 
-def set_wandb_env_defaults(job_config, nodes: int, procs_per_node: int) -> None:
+def set_wandb_env_defaults(job_config, nodes: int, procs_per_node: int, superseded: bool = False) -> None:
     """Fill WANDB_MODE/PROJECT/RUN_GROUP/RUN_NAME (and RUN_ID/RESUME under Slurm) where unset;
-    offline only when wandb would find no credentials."""
+    offline only when wandb would find no credentials. `superseded`: this start moved logged
+    steps aside (see wandb_run_id)."""
     if not wandb_logged_in():
         os.environ.setdefault("WANDB_MODE", "offline")
     identity = run_identity(job_config, nodes, procs_per_node)
@@ -174,7 +178,7 @@ def set_wandb_env_defaults(job_config, nodes: int, procs_per_node: int) -> None:
     os.environ.setdefault("WANDB_PROJECT", DEFAULT_PROJECT)
     os.environ.setdefault("WANDB_RUN_GROUP", run_group(identity))
     os.environ.setdefault("WANDB_RUN_NAME", name)
-    run_id = wandb_run_id(name)
+    run_id = wandb_run_id(name, superseded)
     if run_id:
         os.environ.setdefault("WANDB_RUN_ID", run_id)
         os.environ.setdefault("WANDB_RESUME", "allow")

@@ -39,7 +39,7 @@ from torchtitan.tools.utils import Color, NoColor
 from moe_comm import console
 from moe_comm.backends import backend_class
 from moe_comm.kernels import call_graphs, emulated_link
-from moe_comm.metrics import keys, naming
+from moe_comm.metrics import history, keys, naming
 from moe_comm.metrics.expert_counts import ExpertCountLog
 from moe_comm.metrics.instrumented import instrumented_backends, summarize
 from moe_comm.metrics.peaks import resolve_peak
@@ -65,8 +65,8 @@ class JsonlLogger(BaseLogger):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
         self.static_fields = static_fields
-        # appended, so a requeued job that resumes from a checkpoint keeps the first attempt's
-        # steps (readers keep the last record of a step); flushed per line for crashed runs
+        # appended to the rows up to the step the run resumes from (moe_comm.metrics.history
+        # moved any later ones aside first); flushed per line for crashed runs
         self._file = open(path, "a")
         logger.info(f"Per-step metrics (JSONL): {path}")
 
@@ -99,9 +99,15 @@ class _KeepLast(BaseLogger):
 class MoECommMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
         self.moe_comm = naming.moe_comm_config(job_config)
+        self.jsonl_path = os.path.join(job_config.job.dump_folder, JSONL_NAME)
+        # one row per step (moe_comm.metrics.history), settled before W&B opens its run
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        start = (history.begin(self.jsonl_path, history.start_step(job_config))
+                 if rank == _get_metrics_rank(parallel_dims, job_config) else None)
         if job_config.metrics.enable_wandb:
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
-            naming.set_wandb_env_defaults(job_config, parallel_dims.world_size // per_node, per_node)
+            naming.set_wandb_env_defaults(job_config, parallel_dims.world_size // per_node, per_node,
+                                          superseded=bool(start and start.moved))
             # W&B's own banner and end-of-run summary are some thirty console lines; the header
             # says where the run goes and the footer prints an offline run's `wandb sync`.
             os.environ.setdefault("WANDB_SILENT", "true")
@@ -140,7 +146,6 @@ class MoECommMetricsProcessor(MetricsProcessor):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.metrics_rank = _get_metrics_rank(parallel_dims, job_config)
         self.is_metrics_rank = self.rank == self.metrics_rank
-        self.jsonl_path = os.path.join(job_config.job.dump_folder, JSONL_NAME)
         if self.is_metrics_rank:
             if not isinstance(self.logger, LoggerContainer):
                 self.logger = LoggerContainer()  # TorchTitan's no-op logger: nothing enabled
@@ -169,6 +174,8 @@ class MoECommMetricsProcessor(MetricsProcessor):
                 "recipe": self.static_fields[keys.RECIPE], "flavor": job_config.model.flavor})
         for line in self._header(wandb_url):
             console.show(line)
+        if start and start.moved:
+            console.show(f"moe_comm: {start.message(self.jsonl_path)}")
         console.watch.start("setting up the model (sharding, weight init, checkpoint load)")
 
     # TorchTitan assigns its OptimizersContainer here after building it (train.py), and the model
@@ -307,7 +314,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
         if self.expert_counts is not None:
             self.expert_counts.write(step)
         self._losses.append(global_avg_loss)
-        self._step_seconds.append(step_s)
+        self._step_seconds.append((step, step_s))
         self._last_logged_step = step
 
     def _step_line(self, step: int, loss: float, grad_norm: float, step_s: float, mine: dict) -> StepLine:
@@ -365,6 +372,18 @@ class MoECommMetricsProcessor(MetricsProcessor):
         if self.wandb_sync_dir:
             console.show(f"W&B run saved offline. Upload it with: wandb sync {self.wandb_sync_dir}")
 
+    def _rate(self) -> str:
+        """'; median 0.52 s/step over steps 3-5 (after a 2-step warm-up)': the steps `report`
+        takes its medians over (moe_comm.metrics.history.steady_steps), named."""
+        if not self._step_seconds:
+            return ""
+        by_step = dict(self._step_seconds)
+        window = history.steady_steps(sorted(by_step))
+        seconds = [by_step[s] for s in window]
+        if window[0] <= history.WARMUP_STEPS:
+            return f"; {seconds[-1]:.2f} s/step: {history.window_text(window)}"
+        return f"; median {statistics.median(seconds):.2f} s/step over {history.window_text(window)}"
+
     def _footer(self, failure: BaseException | None) -> str:
         """One line: done, stopped early, or failed, and where (see close)."""
         total = self.job_config.training.steps
@@ -380,15 +399,16 @@ class MoECommMetricsProcessor(MetricsProcessor):
             started = self._last_logged_step + -(-batches // self._accumulation)
             where = f"in step {started}/{total}" if batches else f"after step {self._last_logged_step}/{total}"
         if failure is not None:
-            what = str(failure).strip().splitlines()[0][:300] if str(failure).strip() else ""
+            what = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
+            console.failure_shown = len(what) <= 300  # else the rank's last line says it whole
+            what = what[:300]
             return (f"moe_comm: FAILED {where} after {took}: {type(failure).__name__}"
                     + (f": {what}" if what else "") + f"{loss}; the rank logs are in "
                     f"{os.path.join(self.job_config.job.dump_folder, 'logs')}")
         if completed is None:
             return (f"moe_comm: no training step ran in {took} (the checkpoint it resumed may already be at "
                     f"[training] steps = {total})")
-        steady = self._step_seconds[1:] or self._step_seconds
-        rate = f"; median {statistics.median(steady):.2f} s/step after the first" if steady else ""
+        rate = self._rate()
         if completed < total:
             return (f"moe_comm: stopped early at step {completed}/{total} in {took} (TorchTitan ended the "
                     f"loop: see its warning above){loss}{rate}")

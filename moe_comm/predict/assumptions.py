@@ -1,5 +1,6 @@
 """The figures the prediction code reads rather than measures (datasheets, public measurements,
-the field notes), each an `Assumption` with its source, and where the measured inputs live.
+probes on this project's machines not yet recorded in results/), each an `Assumption` with its
+source, and where the measured inputs live.
 
 Every other module of moe_comm.predict may import this one; it imports none of theirs, so the
 read figures sit at the bottom of the package."""
@@ -32,29 +33,33 @@ READ = {
                                    "NVIDIA B200 datasheet (NVLink 5, 1.8 TB/s bidirectional); issue 12"),
     "hbm_tbs.H200": Assumption("HBM bandwidth, H200", gpus.model("H200").hbm_tbs, "TB/s", "NVIDIA H200 datasheet"),
     # DeepEP's own kernels have not been run into results/ yet (the two-GPU issue runs them in the
-    # benchmark itself); until then the model prices them from the field notes' record of
-    # DeepEP v1.2.1's tests/test_intranode.py on this project's 2xH200 machine.
+    # benchmark itself); until then the model prices them from DeepEP v1.2.1's
+    # tests/test_intranode.py as run on this project's 2xH200 machine.
     "deepep_us.dispatch": Assumption("DeepEP v1.2.1 intranode BF16 dispatch, 2 ranks, 4096 tokens, hidden 7168, "
                                      "top-8, 256 experts, 24 SMs", 353.0, "us",
-                                     "NOTES.md section 4 (DeepEP's test on the 2xH200 machine, 2026-11-30); not a "
-                                     "results/ figure"),
+                                     "DeepEP v1.2.1's tests/test_intranode.py on this project's 2xH200 machine, "
+                                     "2026-11-30, read off its output; not a results/ figure"),
     "deepep_us.combine": Assumption("DeepEP v1.2.1 intranode combine, same run", 393.0, "us",
-                                    "NOTES.md section 4, as above"),
+                                    "the same DeepEP test run, as above"),
     "hbm_tbs.H100": Assumption("HBM bandwidth, H100 SXM", gpus.model("H100").hbm_tbs, "TB/s", "NVIDIA H100 datasheet"),
     "hbm_tbs.B200": Assumption("HBM bandwidth, B200", gpus.model("B200").hbm_tbs, "TB/s", "NVIDIA B200 datasheet"),
     "nic_gbps": Assumption("network per GPU (one CX7 400 Gb/s NIC per GPU)", 50.0, "GB/s",
                            "issue 12 (8 x 400 Gb/s CX7 per Nebius B200 node)"),
     "network_efficiency": Assumption("achieved share of the NIC line rate, every backend", 43.0 / 50.0, "",
-                                     "DeepEP V1 internode, 43 GB/s RDMA at EP16 on CX7 (NOTES §4); "
+                                     "DeepEP V1 internode, 43 GB/s RDMA at EP16 on CX7 (DeepEP's README, deepseek-ai/DeepEP); "
                                      "no multi-node run here yet"),
     "sm_push_gbps": Assumption("NVLink stores one 1024-thread SM sustains", 142.0 / 4, "GB/s",
-                               "NOTES §2: SM-driven stores to the peer, 4 SMs -> 142 GB/s (2xH200)"),
+                               "a probe of SM-driven stores to the peer on this project's 2xH200 machine, 2026-11: 4 SMs "
+                               "-> 142 GB/s; not a results/ figure"),
     "nccl_nvlink_gbps_h200": Assumption("NCCL all_to_all_single, bytes crossing NVLink per GPU (H200)", 290.0,
-                                        "GB/s", "NOTES §2: 4096x8 rows x 7168 bf16, 0.81 ms on 2xH200"),
+                                        "GB/s", "a probe of NCCL 2.28.9 all_to_all_single on this project's 2xH200 machine, "
+                                        "2026-11: 4096x8 rows x 7168 bf16 in 0.81 ms; not a results/ figure"),
     "deepep_permute_us_per_row": Assumption("TorchTitan's DeepEP path: _permute_tokens per expert row (H200)",
-                                            614.0 / 32740, "us", "NOTES §7: 614 us at 32,740 expert rows, one H200"),
+                                            614.0 / 32740, "us", "a profile on one H200, 2026-11: 614 us at 32,740 expert "
+                                            "rows; not a results/ figure"),
     "deepep_unpermute_us_per_row": Assumption("TorchTitan's DeepEP path: scores x + _unpermute_tokens per expert row",
-                                              1500.0 / 32740, "us", "NOTES §7: 1,500 us at 32,740 expert rows, one H200"),
+                                              1500.0 / 32740, "us", "the same profile: 1,500 us at 32,740 expert rows; not a "
+                                              "results/ figure"),
     "fsdp_prefetch_units": Assumption("FSDP units whose collectives are not hidden (first all-gather, last "
                                       "reduce-scatter)", 1.0, "units", "TorchTitan FSDP2 prefetch (assumption)"),
 }

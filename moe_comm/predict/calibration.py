@@ -8,7 +8,8 @@ them). The fits, and which measured figures they use (the validation table marks
     transport = floor + per-token-per-SM cost x tokens / SMs + bytes / (efficiency x P2P), by
     least squares; the layout kernels = floor + cost per expert row + cost per slot; the floor
     from the decode shape's CUDA-graph round trip;
-  * DeepEP v1.2.1: its fixed cost from its one intranode figure on the same machine (NOTES §4),
+  * DeepEP v1.2.1: its fixed cost from its one intranode figure on the same machine
+    (moe_comm.predict.assumptions, deepep_us),
     with our kernels' link efficiency;
   * the nccl path: a per-call cost and a per-row cost from its DSV3 and decode round trips; its
     backward per-row cost from a training pair's profiles (nccl vs nvshmem, batch 2 x 4096);
@@ -199,14 +200,16 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
         deepep_ops[op] = OpCost(ops[op].link_efficiency, (ref[op] - floor - link) * deepep_sms / BENCH_TOKENS)
         A.append(Assumption(f"DeepEP {op}: fixed cost per token per SM (our link efficiency assumed)",
                             deepep_ops[op].per_token_sm_us, "us x SM",
-                            f"read figure deepep_us.{op} ({ref[op]:.0f} us at 24 SMs; NOTES §4), with {bench_src}"))
+                            f"read figure deepep_us.{op} ({ref[op]:.0f} us at 24 SMs; {READ[f'deepep_us.{op}'].source}), "
+                            f"with {bench_src}"))
 
     nccl_call, nccl_row = _fit_nccl_forward(bench)
     A.append(Assumption("nccl path: per forward round trip (counts exchange, host syncs, launches)", nccl_call, "us",
                         f"{bench_src}: nccl dsv3_random and decode_random round trips"))
     A.append(Assumption("nccl path: per expert row per forward round trip (permute, unpermute)", nccl_row, "us",
                         f"{bench_src}: the same fit"))
-    A.append(Assumption("TorchTitan's DeepEP path: host sync per forward dispatch (CPU-side counts, NOTES §7)",
+    A.append(Assumption("TorchTitan's DeepEP path: host sync per forward dispatch (CPU-side counts, "
+                        "torchtitan/distributed/deepep/deepep.py)",
                         nccl_call, "us", "assumed equal to the nccl path's per-call cost (not measured)"))
 
     # the GPU's idle share, from the 671B-shaped layers' step-10 profile (the layer benchmark

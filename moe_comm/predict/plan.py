@@ -44,8 +44,10 @@ KEEP_KEYS = {
     "microbatch": "pipeline_parallel_microbatch_size",
     "local_batch": "local_batch_size", "ac": "activation_checkpoint mode", "overlap": "[moe_comm] overlap",
 }
-# Megatron-Core's DeepSeek-V3 on 256 GB200 (TP 1, PP 8, VPP 4, EP 32, MXFP8), NOTES section 8
+# Megatron-Core's DeepSeek-V3 on 256 GB200 (TP 1, PP 8, VPP 4, EP 32, MXFP8), with HybridEP
 MEGATRON_TFLOPS = 944.0
+MEGATRON_SOURCE = ("NVIDIA Megatron-LM, docs/discussions/deepseek-v3-gb200-optimization/"
+                   "deepseek-v3-gb200-optimization.md, 2025-11: 943.56 with HybridEP")
 
 
 class PlanError(ValueError):
@@ -181,8 +183,8 @@ def layouts(req: Request) -> list[Layout]:
             continue
         dp = world // pp
         # EP: a divisor of dp_shard and of the experts, at least a node's GPUs (or the recipe's)
-        eps = [e for e in _divisors(dp)
-               if experts % e == 0 and (e >= min(req.gpus_per_node, dp) or e == base.layout.ep)]
+        eps = [e for e in _divisors(math.gcd(dp, experts))  # divides both
+               if (e >= min(req.gpus_per_node, dp) or e == base.layout.ep)]
         per_dp = base.seq_len * dp
         batches = set(_pow2_between(lo / per_dp, hi / per_dp))
         if lo <= base.local_batch * per_dp <= hi:
@@ -285,8 +287,7 @@ def plan(req: Request, cal: Calibration, top: int = 10) -> dict[str, list[Row]]:
     cluster = scale_model.cluster_for(req.gpu, req.nodes, req.gpus_per_node, cal)
     candidates = layouts(req)
     if not candidates:
-        raise PlanError(f"no layout of the search space can run on {req.nodes} x {req.gpus_per_node} {req.gpu} "
-                        f"with {kept_text(req)}: the kept values exclude every PP degree, schedule or batch")
+        raise PlanError(_no_layout(req))
     rows: dict[str, list[Row]] = {c.label: [] for c in req.backends}
     memo: dict = {}
     least = math.inf
@@ -310,6 +311,31 @@ def plan(req: Request, cal: Calibration, top: int = 10) -> dict[str, list[Row]]:
                         f"{req.headroom:.0%} headroom: {limit:.0f} GiB) with {kept_text(req)}: the smallest layout "
                         f"needs {least:.0f} GiB per GPU; add nodes or relax --keep")
     return {b: sorted(r, key=lambda row: -row.tokens_per_s_per_gpu)[:top] for b, r in rows.items()}
+
+
+def _no_layout(req: Request) -> str:
+    """Why the search space is empty: a cluster whose smallest global batch (one sequence per
+    data-parallel rank) is above the range searched, else the values kept."""
+    a, base = req.base.args, req.base
+    world = req.nodes * req.gpus_per_node
+    where = f"on {req.nodes} x {req.gpus_per_node} {req.gpu} ({world:,} GPUs)"
+    recipe_tokens = base.local_batch * base.seq_len * base.layout.dp_shard * base.layout.dp_replicate
+    if req.global_tokens[1]:
+        lo, hi, searched = *req.global_tokens, "--global-tokens"
+    else:
+        lo, hi = BATCH_RANGE[0] * recipe_tokens, BATCH_RANGE[1] * recipe_tokens
+        searched = f"the recipe's global batch up to {BATCH_RANGE[1]:g}x"
+    pps = [pp for pp in PP_DEGREES if world % pp == 0 and pp <= a.n_layers]
+    if pps and "pp" not in req.keep:
+        pp = max(pps)
+        smallest = base.seq_len * world // pp
+        if smallest > hi:
+            return (f"{where} the smallest global batch is {smallest:,} tokens (one sequence of {base.seq_len:,} "
+                    f"on each of {world // pp:,} data-parallel ranks, at PP {pp}), above the range searched, "
+                    f"{lo:,.0f}-{hi:,.0f} tokens ({searched}): plan for fewer nodes, or pass --global-tokens "
+                    "MIN-MAX to search larger batches")
+    return (f"no layout of the search space can run {where} with {kept_text(req)}: the kept values exclude every "
+            "PP degree, schedule or batch")
 
 
 def kept_text(req: Request) -> str:

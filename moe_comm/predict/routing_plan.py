@@ -86,12 +86,12 @@ class RoutingPlan:
     @property
     def node_dedup(self) -> float:
         """Picks per (token, node) pair: how many times fewer rows a per-node dedup sends than
-        one row per expert (NOTES §7's "experts per node hit")."""
+        one row per expert ("experts per node hit"; tests/test_routing_plan.py's table)."""
         return self.top_k / self.nodes_hit_per_token
 
     @property
     def rank_dedup(self) -> float:
-        """Picks per (token, rank) pair (NOTES §7's "experts per rank hit")."""
+        """Picks per (token, rank) pair ("experts per rank hit"; tests/test_routing_plan.py's table)."""
         return self.top_k / self.ranks_hit_per_token
 
     @property
@@ -146,20 +146,15 @@ def plan(topk_idx_WTK: torch.Tensor, num_experts: int, ranks_per_node: int) -> R
         raise ValueError(f"expert ids must lie in [0, {num_experts})")
 
     src_WTK = torch.arange(W).view(W, 1, 1).expand(W, T, K)
-    tok_WTK = torch.arange(T).view(1, T, 1).expand(W, T, K)
     dest_WTK = idx // L
-    token_id = (src_WTK * T + tok_WTK).flatten()
 
     pick_rows_WW = torch.bincount(src_WTK.flatten() * W + dest_WTK.flatten(), minlength=W * W).view(W, W)
     expert_rows_WL = torch.bincount(idx.flatten(), minlength=num_experts).view(W, L)
 
-    # distinct (token, rank) and (token, node) pairs
-    pair_tr = torch.unique(token_id * W + dest_WTK.flatten())
-    tok_r, d = pair_tr // W, pair_tr % W
-    s_r = tok_r // T
-    pair_tn = torch.unique(token_id * N + (dest_WTK // G).flatten())
-    tok_n, m = pair_tn // N, pair_tn % N
-    s_n = tok_n // T
+    # distinct (token, rank) and (token, node) pairs: each token's picks that no earlier pick of
+    # it shares (K x K comparisons per token, not a sort of every pick at once)
+    d, s_r = _first_picks(dest_WTK)
+    m, s_n = _first_picks(dest_WTK // G)
 
     remote_node = m != s_n // G
     network_rows_WN = torch.bincount((s_n * N + m)[remote_node], minlength=W * N).view(W, N)
@@ -180,8 +175,20 @@ def plan(topk_idx_WTK: torch.Tensor, num_experts: int, ranks_per_node: int) -> R
         top_k=K, network_rows_WN=network_rows_WN, nvlink_rows_WW=nvlink_rows_WW,
         forwarded_rows_WW=forwarded_rows_WW, recv_slots_W=recv_slots_W, kept_forwarded_W=kept_forwarded_W,
         own_slots_W=own_slots_W, slots_from_WW=slots_from_WW, expert_rows_WL=expert_rows_WL, pick_rows_WW=pick_rows_WW,
-        token_node_pairs=int(pair_tn.numel()), token_rank_pairs=int(pair_tr.numel()),
+        token_node_pairs=int(m.numel()), token_rank_pairs=int(d.numel()),
     )
+
+
+def _first_picks(value_WTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's distinct values, the source rank of each), from its K picks' values."""
+    W, T, K = value_WTK.shape
+    value_KX = value_WTK.permute(2, 0, 1).reshape(K, W * T)  # pick-major: each row contiguous
+    first_KX = torch.ones_like(value_KX, dtype=torch.bool)
+    for k in range(1, K):
+        for j in range(k):
+            first_KX[k] &= value_KX[k] != value_KX[j]
+    src_KX = torch.arange(W).repeat_interleave(T).expand(K, W * T)
+    return value_KX[first_KX], src_KX[first_KX]
 
 
 def draw_topk(
@@ -207,45 +214,82 @@ def draw_topk(
                   experts shared by all ranks); each token draws top_k distinct experts from it.
     node_limited  DeepSeek-V3's group-limited router on i.i.d. scores: num_groups groups of
                   consecutive experts, keep the limited_groups groups with the largest sum of
-                  their two best scores, then top_k experts among those (NOTES §7).
+                  their two best scores, then top_k experts among those (TorchTitan 0.2.2's
+                  router, torchtitan/models/moe/moe.py, with num_expert_groups and
+                  num_limited_groups).
     """
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing = {routing!r}: choose one of {list(ROUTINGS)}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k = {top_k} must be between 1 and num_experts = {num_experts}")
-    g = torch.Generator().manual_seed(seed)
-    rows = world * tokens
-    if routing == "balanced":
-        ids = torch.arange(tokens * top_k, dtype=torch.int64).view(tokens, top_k) % num_experts
-        return ids.expand(world, tokens, top_k).contiguous()
-    if routing == "random":
-        return torch.rand(rows, num_experts, generator=g).topk(top_k, dim=1).indices.view(world, tokens, top_k)
-    if routing == "zipf":
-        popularity = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf_exponent
-        weights = popularity[torch.argsort(torch.rand(num_experts, generator=g))]
-        # Gumbel top-k: sampling top_k without replacement in proportion to the weights
-        gumbel = -torch.log(-torch.log(torch.rand(rows, num_experts, generator=g, dtype=torch.float64)))
-        return (weights.log() + gumbel).topk(top_k, dim=1).indices.view(world, tokens, top_k)
-    if num_experts % num_groups != 0 or not 1 <= limited_groups <= num_groups:
-        raise ValueError(
-            f"node_limited routing needs num_groups ({num_groups}) to divide num_experts "
-            f"({num_experts}) and 1 <= limited_groups ({limited_groups}) <= num_groups"
-        )
-    per_group = num_experts // num_groups
-    if top_k > limited_groups * per_group:
-        raise ValueError(f"top_k = {top_k} exceeds the {limited_groups * per_group} experts of {limited_groups} groups")
-    scores = torch.rand(rows, num_groups, per_group, generator=g)
-    if per_group >= 2:  # the sum of each group's two best scores (two max passes: faster than topk)
-        best, at = scores.max(2)
-        group_score = best + scores.scatter(2, at[..., None], -1.0).max(2).values
-    else:
-        group_score = scores[:, :, 0]
-    keep = group_score.topk(limited_groups, dim=1).indices
-    # top_k among the kept groups' experts only (the same picks as masking the others out)
-    kept = scores.gather(1, keep[:, :, None].expand(-1, -1, per_group)).view(rows, -1)
-    pick = kept.topk(top_k, dim=1).indices
-    ids = keep.gather(1, pick // per_group) * per_group + pick % per_group
-    return ids.view(world, tokens, top_k)
+    return Draw(routing, tokens, num_experts, top_k, num_groups=num_groups, limited_groups=limited_groups,
+                zipf_exponent=zipf_exponent, seed=seed).ranks(world)
+
+
+ROWS_PER_BATCH = 1 << 16  # tokens drawn at a time: EP 256's scores would take 1 GiB at once
+
+
+class Draw:
+    """`draw_topk`'s routing, rank after rank from one generator. The generator fills every
+    tensor in order and each token's ids depend on its own scores only, so the first W ranks of
+    a longer draw are the draw for W ranks, whatever the batches: `ranks(W)` extends the draw
+    only as far as it is asked, and statistics at several EP degrees share one draw."""
+
+    def __init__(self, routing: str, tokens: int, num_experts: int, top_k: int, *, num_groups: int = 8,
+                 limited_groups: int = 4, zipf_exponent: float = 1.0, seed: int = 0):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing = {routing!r}: choose one of {list(ROUTINGS)}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k = {top_k} must be between 1 and num_experts = {num_experts}")
+        if routing == "node_limited":
+            if num_experts % num_groups != 0 or not 1 <= limited_groups <= num_groups:
+                raise ValueError(
+                    f"node_limited routing needs num_groups ({num_groups}) to divide num_experts "
+                    f"({num_experts}) and 1 <= limited_groups ({limited_groups}) <= num_groups"
+                )
+            if top_k > limited_groups * (num_experts // num_groups):
+                raise ValueError(f"top_k = {top_k} exceeds the {limited_groups * (num_experts // num_groups)} "
+                                 f"experts of {limited_groups} groups")
+        self.routing, self.tokens, self.num_experts, self.top_k = routing, tokens, num_experts, top_k
+        self.num_groups, self.limited_groups = num_groups, limited_groups
+        self._g = torch.Generator().manual_seed(seed)
+        if routing == "zipf":
+            popularity = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** zipf_exponent
+            self._log_weights = popularity[torch.argsort(torch.rand(num_experts, generator=self._g))].log()
+        self._ids = torch.empty(0, top_k, dtype=torch.int64)  # [tokens drawn, top_k]
+
+    def ranks(self, world: int) -> torch.Tensor:
+        """Top-k ids [world, tokens, top_k] of the first `world` ranks."""
+        T, K = self.tokens, self.top_k
+        if self.routing == "balanced":
+            ids = torch.arange(T * K, dtype=torch.int64).view(T, K) % self.num_experts
+            return ids.expand(world, T, K).contiguous()
+        rows = world * T
+        if len(self._ids) < rows:
+            drawn = [self._ids]
+            for start in range(len(self._ids), rows, ROWS_PER_BATCH):
+                drawn.append(self._batch(min(ROWS_PER_BATCH, rows - start)))
+            self._ids = torch.cat(drawn)
+        return self._ids[:rows].view(world, T, K)
+
+    def _batch(self, rows: int) -> torch.Tensor:
+        """The next `rows` tokens' top-k ids [rows, top_k]."""
+        g, E, K = self._g, self.num_experts, self.top_k
+        if self.routing == "random":
+            return torch.rand(rows, E, generator=g).topk(K, dim=1).indices
+        if self.routing == "zipf":
+            # Gumbel top-k: sampling top_k without replacement in proportion to the weights
+            gumbel = -torch.log(-torch.log(torch.rand(rows, E, generator=g, dtype=torch.float64)))
+            return (self._log_weights + gumbel).topk(K, dim=1).indices
+        groups = self.num_groups
+        per_group = E // groups
+        scores = torch.rand(rows, groups, per_group, generator=g)
+        if per_group >= 2:  # the sum of each group's two best scores (two max passes: faster than topk)
+            best, at = scores.max(2)
+            group_score = best + scores.scatter(2, at[..., None], -1.0).max(2).values
+        else:
+            group_score = scores[:, :, 0]
+        keep = group_score.topk(self.limited_groups, dim=1).indices
+        # top_k among the kept groups' experts only (the same picks as masking the others out)
+        kept = scores.gather(1, keep[:, :, None].expand(-1, -1, per_group)).reshape(rows, -1)
+        pick = kept.topk(K, dim=1).indices
+        return keep.gather(1, pick // per_group) * per_group + pick % per_group
 
 
 @dataclass(frozen=True)
@@ -279,10 +323,10 @@ def routing_statistics(
     routing: str, world: int, ranks_per_node: int, num_experts: int, top_k: int,
     num_groups: int = 8, limited_groups: int = 4, tokens: int = SAMPLE_TOKENS, seed: int = 0,
 ) -> PlanStats:
-    """Draw a routing for every rank and summarise its plan per dispatched token."""
+    """Draw a routing for every rank and summarise its plan per dispatched token (one draw,
+    extended, serves every EP degree: `Draw`)."""
     ranks_per_node = min(ranks_per_node, world)
-    idx = draw_topk(routing, world, tokens, num_experts, top_k, num_groups=num_groups,
-                    limited_groups=limited_groups, seed=seed)
+    idx = _shared_draw(routing, tokens, num_experts, top_k, num_groups, limited_groups, seed).ranks(world)
     p = plan(idx, num_experts, ranks_per_node)
     loads = p.rank_loads()
     return PlanStats(
@@ -292,6 +336,12 @@ def routing_statistics(
         nodes_hit_per_token=p.nodes_hit_per_token, ranks_hit_per_token=p.ranks_hit_per_token,
         node_dedup=p.node_dedup, rank_dedup=p.rank_dedup,
     )
+
+
+@lru_cache(maxsize=4)
+def _shared_draw(routing: str, tokens: int, num_experts: int, top_k: int, num_groups: int, limited_groups: int,
+                 seed: int) -> Draw:
+    return Draw(routing, tokens, num_experts, top_k, num_groups=num_groups, limited_groups=limited_groups, seed=seed)
 
 
 def row_bytes(hidden: int, dtype: str = "bf16", metadata: bool = True) -> float:

@@ -39,7 +39,7 @@ from torchtitan.protocols.train_spec import register_train_spec, TrainSpec
 
 from moe_comm import metrics
 from moe_comm.layout import flavors
-from moe_comm.titan import pipeline
+from moe_comm.titan import data, pipeline
 from moe_comm.titan.model import MoECommDeepSeekV3Model
 from moe_comm.titan.parallelize import parallelize_deepseekv3_moe_comm
 
@@ -61,6 +61,7 @@ def get_train_spec() -> TrainSpec:
         parallelize_fn=parallelize_deepseekv3_moe_comm,
         pipelining_fn=pipeline.pipeline_llm,
         build_metrics_processor_fn=metrics.build_metrics_processor,
+        build_dataloader_fn=data.build_dataloader,  # TorchTitan's, naming a bad record (moe_comm.titan.data)
     )
 
 

@@ -2,7 +2,7 @@
 run the same training path as the GPUs.
 
 Applied by `moe_comm.titan` only when CUDA is absent, so GPU runs never see them. Each fix below
-answers one CUDA assumption measured in TorchTitan 0.2.2 (see NOTES §1); nothing else is changed.
+answers one CUDA assumption of TorchTitan 0.2.2, named with its module; nothing else is changed.
 
 1. `tools/utils.py` falls back to device_type "cuda" when no accelerator exists, and several
    modules copy `device_type`/`device_module` at import. We point all copies at "cpu" and a small
