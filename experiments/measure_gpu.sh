@@ -3,7 +3,7 @@
 #   attention: the layer bench's attention parts for the flagship and Nebius shapes - SDPA, and
 #              FlexAttention and variable-length attention block-causal at one document, 512-token
 #              documents and the data's document lengths - all measured afresh in this run into a
-#              copy of results/h200x1/layer_bench.json (its other parts kept), then the varlen-vs-flex
+#              copy of results/model_inputs/layer_bench_h200x1.json (its other parts kept), then the varlen-vs-flex
 #              GPU test at the flagship shape;
 #   syncs:     host synchronisations per dispatch and combine of each backend
 #              (experiments/host_syncs.py: nccl and nvshmem at EP 1, deepep and nvshmem at 2 PEs
@@ -41,7 +41,7 @@ if [ "$what" != syncs ]; then
   # every attention part measured in this run (flex and varlen side by side), the rest kept
   $py - "$out/layer_bench.json" <<'EOF'
 import json, sys
-doc = json.load(open("results/h200x1/layer_bench.json"))
+doc = json.load(open("results/model_inputs/layer_bench_h200x1.json"))
 doc["parts"] = [p for p in doc["parts"] if not p["name"].startswith("attention.")]
 json.dump(doc, open(sys.argv[1], "w"), indent=1)
 EOF

@@ -20,6 +20,8 @@ def round_trip(x_TD: torch.Tensor, group: int = GROUP_CHANNELS, min_amax: float 
     group's amax at 1e-30 instead of MIN_AMAX)."""
     t, d = x_TD.shape
     x_TGC = x_TD.float().view(t, d // group, group)
-    scale_TG1 = x_TGC.abs().amax(dim=2, keepdim=True).clamp(min=min_amax) / E4M3_MAX
+    # a tensor divisor: torch divides a CUDA tensor by a Python number as x * (1 / b), one rounding
+    # more than the kernels' division (moe_comm.kernels.fp8_reference.divided)
+    scale_TG1 = x_TGC.abs().amax(dim=2, keepdim=True).clamp(min=min_amax) / torch.full((), E4M3_MAX, device=x_TD.device)
     q_TGC = (x_TGC / scale_TG1).to(torch.float8_e4m3fn)
     return (q_TGC.float() * scale_TG1).view(t, d).to(torch.bfloat16)

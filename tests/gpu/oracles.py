@@ -105,7 +105,8 @@ def fp8_rows(x):
     """bf16 rows quantised to e4m3 with one fp32 scale per row (amax / 448, amax at least 1e-4):
     the rows the FP8 experts must receive, bit for bit. Returns (codes as uint8, scales)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-4) / 448.0
+    # a tensor divisor: a CUDA tensor over a Python number is x * (1 / b) in torch, not the kernels' division
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-4) / torch.full((), 448.0, device=xf.device)
     return (xf / scale).to(torch.float8_e4m3fn).view(torch.uint8), scale.squeeze(1)
 
 
