@@ -42,7 +42,6 @@ import datetime
 import json
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -467,27 +466,6 @@ def _gpu_phase(normal: dict, probed: dict | None, probe: dict) -> dict:
 
 # ---- all cases ---------------------------------------------------------------------------------
 
-class Mps:
-    """The CUDA MPS daemon, for ranks that share a GPU (root on the device machines)."""
-
-    def __init__(self):
-        self.started = False
-
-    def __enter__(self):
-        control = shutil.which("nvidia-cuda-mps-control")
-        if control is None:
-            raise SystemExit("several ranks must share the GPU but nvidia-cuda-mps-control is not on the PATH")
-        subprocess.run([control, "-d"], check=True)
-        self.started = True
-        time.sleep(1)
-        return self
-
-    def __exit__(self, *exc):
-        if self.started:
-            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, check=False)
-            self.started = False
-
-
 def _summary(ranks: list[dict], census_only: bool) -> dict:
     out = {}
     for phase in PHASES:
@@ -547,6 +525,8 @@ def run(args) -> int:
             shared = spec.device == "cuda" and spec.ranks > torch.cuda.device_count()
             started = time.monotonic()
             print(f"[host_syncs] {name}: {spec.where}", flush=True)
+            from experiments.device_env import Mps
+
             with (Mps() if shared else _Nothing()):
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
             ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]

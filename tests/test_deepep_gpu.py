@@ -27,7 +27,7 @@ def reports(tmp_path_factory):
         import deep_ep  # noqa: F401
     except ImportError:
         pytest.fail("DeepEP is not installed here: run `python -m moe_comm build-deepep` first")
-    from test_nvshmem_gpu import DEVICE_ENV, Mps
+    from experiments.device_env import DEVICE_ENV, Mps
 
     out = Path(os.environ.get("MOE_COMM_GPU_REPORTS", tmp_path_factory.mktemp("deepep_cases")))
     out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ several jobs' NVSHMEM start-ups reached every MPS client at once.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from experiments.device_env import DEVICE_ENV  # noqa: E402  NVLink multicast off on the lent machines
+from experiments.device_env import DEVICE_ENV, Mps  # noqa: E402  NVLink multicast off on the lent machines
 
 torch = pytest.importorskip("torch")
 
@@ -92,26 +91,6 @@ def _layout_id(ranks: int, virtual: int, errors: bool) -> str:
 
 def _dead_pair_id(ranks: int, virtual: int) -> str:
     return f"{_layout_id(ranks, virtual, False)}_dead_pair"
-
-
-class Mps:
-    """The CUDA MPS daemon, when ranks must share GPUs (root on the device)."""
-
-    def __init__(self):
-        self.started = False
-
-    def start(self):
-        control = shutil.which("nvidia-cuda-mps-control")
-        if control is None:
-            pytest.fail("several ranks must share a GPU but nvidia-cuda-mps-control is not on the PATH")
-        subprocess.run([control, "-d"], check=True)
-        self.started = True
-        time.sleep(1)
-
-    def stop(self):
-        if self.started:
-            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, check=False)
-            self.started = False
 
 
 def _launch(ranks: int, virtual: int, errors: bool, out: Path, port: int) -> subprocess.Popen:
