@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments import mfu_sweep  # noqa: E402
+from experiments import runner  # noqa: E402
 from moe_comm import report  # noqa: E402
 from moe_comm.kernels import emulated_link  # noqa: E402
 from moe_comm.kernels.emulated_link import EmulatedLink  # noqa: E402
@@ -100,20 +100,25 @@ def _recipe(path: str, overrides: list[str]):
 
 # ---- the runs ----------------------------------------------------------------------------------
 
-def variant_overrides(text: str) -> tuple[str, list[str]]:
-    """(name, TorchTitan overrides) of a --variants entry: `none`, `chunked`, or NAME=--a.b=v,..."""
+def variant_overrides(text: str) -> tuple[str, list[str], dict[str, str]]:
+    """(name, TorchTitan overrides, environment) of a --variants entry: `none`, `chunked`, or
+    NAME=ITEM[,ITEM...] with each ITEM a TorchTitan override `--section.field=value` or an
+    environment setting `VAR=value` (a benchmark switch such as MOE_COMM_RECOMPUTE_COMM=1)."""
     if text in OVERLAPS:
-        return text, ["--moe_comm.overlap", text]
+        return text, ["--moe_comm.overlap", text], {}
     name, eq, rest = text.partition("=")
     if not eq or not name:
-        raise SystemExit(f"--variants {text!r}: use none, chunked or NAME=--section.field=value[,...]")
-    overrides = []
+        raise SystemExit(f"--variants {text!r}: use none, chunked or NAME=--section.field=value|VAR=value[,...]")
+    overrides, env = [], {}
     for pair in rest.split(","):
-        flag, eq, value = pair.partition("=")
-        if not flag.startswith("--") or not eq:
-            raise SystemExit(f"--variants {text!r}: {pair!r} is not --section.field=value")
-        overrides += [flag, value]
-    return name, overrides
+        key, eq, value = pair.partition("=")
+        if key.startswith("--") and eq:
+            overrides += [key, value]
+        elif eq and key.isidentifier() and key.isupper():
+            env[key] = value
+        else:
+            raise SystemExit(f"--variants {text!r}: {pair!r} is neither --section.field=value nor VAR=value")
+    return name, overrides, env
 
 
 def measured(run_dir: Path, warmup: int) -> dict[str, float | None]:
@@ -137,17 +142,22 @@ def _pct(model: float | None, meas: float | None) -> float | None:
 def run_all(args: argparse.Namespace, link: EmulatedLink) -> list[dict[str, Any]]:
     rows = []
     for text in args.variants:
-        name, overrides = variant_overrides(text)
+        name, overrides, env = variant_overrides(text)
         for over_link in (True, False) if args.baseline else (True,):
             tag = f"{name}-{'emulatedlink' if over_link else 'nolink'}"
-            spec = mfu_sweep.RunSpec(args.recipe, "nvshmem", overrides=overrides, tag=tag)
+            spec = runner.RunSpec(args.recipe, "nvshmem", overrides=overrides, tag=tag)
+            saved = dict(os.environ)
+            os.environ.update(env)
             if over_link:
                 os.environ[emulated_link.ENV] = link.source
             else:
                 os.environ.pop(emulated_link.ENV, None)
-            result = mfu_sweep.run_one(args, spec)
-            os.environ.pop(emulated_link.ENV, None)
-            row: dict[str, Any] = {"variant": name, "overrides": overrides, "emulated_link": over_link,
+            try:
+                result = runner.run_one(args, spec)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            row: dict[str, Any] = {"variant": name, "overrides": overrides, "env": env, "emulated_link": over_link,
                                    "status": result.status, "error": result.error, "run": result.dump_folder,
                                    "command": result.command, "wall_s": result.wall_s}
             if result.status == "ok":
@@ -200,7 +210,7 @@ def markdown(payload: dict) -> str:
 # ---- main --------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    argv, overrides = mfu_sweep.split_overrides(argv)
+    argv, overrides = runner.split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="recipes/deepseek_v3_671b_h200x1.toml", help="the one-GPU recipe trained")
     p.add_argument("--flagship", default="recipes/deepseek_v3_671b_b200.toml", help="whose per-call network time")
@@ -252,10 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[{NAME}] {link.label()} ({how})", flush=True)
     if args.dry_run:
         for text in args.variants:
-            name, overrides = variant_overrides(text)
-            spec = mfu_sweep.RunSpec(args.recipe, "nvshmem", overrides=overrides, tag=name)
-            print(f"{emulated_link.ENV}={link.source} "
-                  + shlex.join(mfu_sweep.train_command(args, spec, args.out / "runs" / args.name / spec.name)))
+            name, overrides, env = variant_overrides(text)
+            spec = runner.RunSpec(args.recipe, "nvshmem", overrides=overrides, tag=name)
+            print(" ".join(f"{k}={v}" for k, v in env.items()) + f" {emulated_link.ENV}={link.source} "
+                  + shlex.join(runner.train_command(args, spec, args.out / "runs" / args.name / spec.name)))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rows = run_all(args, link)

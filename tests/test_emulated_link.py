@@ -94,10 +94,13 @@ def test_another_backend_says_it_ignores_the_setting(tmp_path, caplog, monkeypat
 def test_the_benchmark_takes_its_variants_and_labels_its_results():
     from experiments import emulated_link as bench
 
-    assert bench.variant_overrides("none") == ("none", ["--moe_comm.overlap", "none"])
-    assert bench.variant_overrides("chunked") == ("chunked", ["--moe_comm.overlap", "chunked"])
+    assert bench.variant_overrides("none") == ("none", ["--moe_comm.overlap", "none"], {})
+    assert bench.variant_overrides("chunked") == ("chunked", ["--moe_comm.overlap", "chunked"], {})
     assert bench.variant_overrides("acfull=--activation_checkpoint.mode=full,--moe_comm.overlap=chunked") == (
-        "acfull", ["--activation_checkpoint.mode", "full", "--moe_comm.overlap", "chunked"])
+        "acfull", ["--activation_checkpoint.mode", "full", "--moe_comm.overlap", "chunked"], {})
+    # the recompute's baseline: TorchTitan's own checkpointing, which sends again (a benchmark switch)
+    assert bench.variant_overrides("acfull_resend=--activation_checkpoint.mode=full,MOE_COMM_RECOMPUTE_COMM=1") == (
+        "acfull_resend", ["--activation_checkpoint.mode", "full"], {"MOE_COMM_RECOMPUTE_COMM": "1"})
     with pytest.raises(SystemExit, match="--section.field=value"):
         bench.variant_overrides("bad=activation_checkpoint.mode=full")
     link = emulated_link.parse("dispatch_us=3000,combine_us=3000,tokens=8192")

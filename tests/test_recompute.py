@@ -134,6 +134,14 @@ def test_recompute_never_calls_dispatch_or_combine(world_of_one, calls, ac, over
         assert torch.equal(grads[name], grads_none[name]), f"{name} differs from no AC"
 
 
+def test_the_benchmark_switch_gives_torchtitans_recompute(world_of_one, calls, monkeypatch):
+    """MOE_COMM_RECOMPUTE_COMM=1 (experiments/emulated_link.py's baseline) leaves TorchTitan's
+    checkpointing as it is: its recompute calls dispatch and combine again."""
+    monkeypatch.setenv(recompute.RECOMPUTE_COMM_ENV, "1")
+    _, _, forward, step = _step(_model("full", "none", ours=True), calls)
+    assert forward == {"dispatch": 2, "combine": 2} and step == {"dispatch": 4, "combine": 4}
+
+
 def test_layer_selective_keeps_only_checkpointed_layers(world_of_one, calls):
     """With selective_ac_option 2 TorchTitan checkpoints layers 1 (an MoE layer) only: only its
     block gets the keeping checkpoint, and the counts hold."""

@@ -38,6 +38,7 @@ frames), so the two threads of an overlapped pipeline action each keep and repla
 """
 
 import functools
+import os
 import threading
 from typing import Any, Callable
 
@@ -48,6 +49,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import noop_context_fn
 from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply_ac
 from torchtitan.models.deepseek_v3.infra import parallelize as titan_dsv3
+from torchtitan.tools.logging import logger
 
 from moe_comm.backends.base import DispatchResult
 
@@ -182,11 +184,21 @@ def combine(backend, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
     return out_TD
 
 
+# A benchmark's switch, never a recipe field: "1" runs TorchTitan's checkpointing as it is, whose
+# recompute calls dispatch and combine again (the baseline experiments/emulated_link.py measures
+# the kept results against).
+RECOMPUTE_COMM_ENV = "MOE_COMM_RECOMPUTE_COMM"
+
+
 def apply_ac(model: nn.Module, ac_config, *, model_compile_enabled: bool, base_folder: str) -> None:
     """TorchTitan's apply_ac (its modes, its selective-op save list), then every checkpointed MoE
     block's checkpoint keeps its comm results (`context_fn`, around TorchTitan's own contexts)."""
     titan_apply_ac(model, ac_config, model_compile_enabled=model_compile_enabled,
                    op_sac_save_list=set(titan_dsv3._op_sac_save_list), base_folder=base_folder)
+    if os.environ.get(RECOMPUTE_COMM_ENV) == "1":
+        logger.warning(f"{RECOMPUTE_COMM_ENV}=1: the recompute calls dispatch and combine again (a benchmark's "
+                       "baseline, TorchTitan's own activation checkpointing)")
+        return
     for block in model.layers.values():
         if isinstance(block, CheckpointWrapper) and block.moe_enabled:
             checkpoint_fn = block.checkpoint_fn
