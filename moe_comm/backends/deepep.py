@@ -77,10 +77,10 @@ class DeepEPBackend(CommBackend):
     sends_once_per_rank = True
     IDENTITY_OPTIONS = ("num_sms",)
     color = "#2ca02c"
-    # TorchTitan's DeepEP path waits on the host for the received counts (NOTES §7), priced as
-    # the standard path's host round trip per call
+    # TorchTitan's DeepEP path waits on the host for the received counts (NOTES §7) and more
+    # (experiments/host_syncs.py measures how often and at what cost)
     costs = CostTraits(hierarchical=True, transport="DeepEP kernels", host_syncs_per_dispatch=1,
-                       layout="TorchTitan DeepEP")
+                       layout="TorchTitan DeepEP", host_syncs_case="deepep_2pe")
 
     @classmethod
     def check_run(cls, run: RunPlan) -> list[str]:
