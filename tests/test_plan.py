@@ -37,6 +37,11 @@ def test_rows_are_feasible_ranked_and_kept(flagship_plan):
             tokens = row.layout.local_batch * 4096 * 32
             assert 4 * 2**20 <= tokens <= 16 * 2**20
             assert row.prediction.tflops_per_gpu == pytest.approx(row.prediction.mfu / 100 * 2250)
+            # every row shown carries its range; one whose range meets #1's is marked so
+            lo, mid, hi = row.span
+            assert lo < mid < hi and mid == pytest.approx(row.tokens_per_s_per_gpu)
+            lo1, _, hi1 = top[0].span
+            assert planner.overlaps_best(row, top[0]) == (row is not top[0] and lo <= hi1 and lo1 <= hi)
 
 
 def test_override_lines_reproduce_their_rows(flagship_plan):
@@ -54,9 +59,8 @@ def test_override_lines_reproduce_their_rows(flagship_plan):
         cluster = scale_model.cluster_for("B200", r.layout.nodes, r.layout.procs_per_node, cal)
         p = scale_model.predict(backend, w, cluster, cal)
         assert p.tokens_per_s_per_gpu == pytest.approx(row.tokens_per_s_per_gpu)
-        mem = estimate.memory_per_gpu(w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch,
-                                      w.pp_schedule, w.layers_per_stage)
-        assert mem.total / estimate.GiB <= row.memory_gib
+        mem = scale_model.memory(w, backend)  # with what its comm-free recompute keeps
+        assert mem.comm_kept > 0 and mem.total / estimate.GiB <= row.memory_gib
 
 
 def test_search_space_covers_every_schedule_and_stage_count():
@@ -66,27 +70,44 @@ def test_search_space_covers_every_schedule_and_stage_count():
     assert {s for s, _ in seen} == set(schedule.SCHEDULES)
     assert {v for s, v in seen if s == "Interleaved1F1B"} == {2, 4}  # 63 / layers_per_stage in {4, 2}
     overlaps = {lay.overlap for lay in planner.layouts(req)}
-    assert overlaps == {"none", "chunked", "dualpipev"}
+    assert overlaps == {"none", "chunked", "microbatch", "dualpipev"}
     assert all(lay.ac == "none" for lay in planner.layouts(req) if lay.overlap == "dualpipev")
+    assert {lay.schedule for lay in planner.layouts(req) if lay.overlap == "microbatch"} == {"Interleaved1F1B"}
 
 
-def test_shortfall_adds_up_to_the_reference(flagship_plan):
-    _, _, rows = flagship_plan
+def test_shortfall_is_on_one_flop_count_adds_up_and_ignores_the_terms_order(flagship_plan, monkeypatch):
+    """--explain (issue 34 item 5): both sides on Megatron's flop count (attention halved for the
+    causal mask: 250.5 GFLOP/token at seq 4096 against TorchTitan's 281.2), the lines add up to the
+    reference less the prediction, and each term's share is its Shapley value: listing the terms in
+    another order changes no line."""
+    r, _, rows = flagship_plan
     p = rows["nvshmem"][0].prediction
-    lines = planner.shortfall(p)
-    assert sum(cost for _, cost in lines) == pytest.approx(planner.MEGATRON_TFLOPS - p.tflops_per_gpu)
+    a = scale_model.workload_from_recipe(r).args
+    flops = planner.causal_flops_per_token(a, 4096)
+    assert flops / 1e9 == pytest.approx(250.5, abs=0.1)
+    assert estimate.count_params(a).flops_per_token(a, 4096) / 1e9 == pytest.approx(281.2, abs=0.1)
+    ref = planner.MEGATRON_BRIDGE_B200.tokens_per_s_per_gpu
+    lines = planner.shortfall(p, flops, ref)
+    ours = p.tokens_per_s_per_gpu * flops / 1e12
+    assert sum(cost for _, cost in lines) == pytest.approx(ref * flops / 1e12 - ours)
     names = [name for name, _ in lines]
-    assert "exposed MoE communication" in names and "activation recompute" in names
+    assert "exposed MoE transfers" in names and "activation recompute" in names
+    monkeypatch.setattr(planner, "SHORTFALL_TERMS", tuple(reversed(planner.SHORTFALL_TERMS)))
+    again = dict(planner.shortfall(p, flops, ref))
+    assert all(again[name] == pytest.approx(cost) for name, cost in lines)
 
 
 def test_plan_cli(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert main(["plan", "recipes/deepseek_v3_671b_b200.toml", "--keep", "ep=32", "--keep", "pp=8",
-                 "--backend", "nvshmem", "--top", "2", "--explain"]) == 0
+                 "--backend", "nccl", "--top", "2", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "on 32 x 8 B200 (256 GPUs); kept: ep=32, pp=8" in out and "predicted" in out
-    assert "nvshmem: 2 best feasible layout(s)" in out and "--moe_comm.backend nvshmem" not in out.split("#")[0]
-    assert "term by term" in out and "exposed MoE communication" in out
+    assert "nccl: 2 best feasible layout(s)" in out and "--moe_comm.backend nccl" not in out.split("#")[0]
+    assert "low-high" in out
+    # the recipe's own row (its backend, as it stands), against Megatron-Bridge on the same B200s
+    assert "recipes/deepseek_v3_671b_b200.toml as it stands (nvshmem)" in out and "Megatron-Bridge" in out
+    assert "Shapley" in out and "exposed MoE transfers" in out and "What differs from" in out
 
 
 @pytest.mark.parametrize("argv,message", [
