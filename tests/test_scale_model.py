@@ -2,6 +2,7 @@
 every number below can be redone on paper), and its calibration against the measured figures
 (2xH200 and the one-GPU recipe on one H200)."""
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -556,3 +557,76 @@ def test_microbatch_overlap_prices_what_hides_behind_what():
     assert mem.microbatches_in_flight == pytest.approx(plain.microbatches_in_flight + 1 / 4)
     with pytest.raises(ValueError, match="Interleaved1F1B"):
         scale_model.predict("nvshmem", replace(w, pp_schedule="1F1B", layers_per_stage=None), cluster, cal)
+
+
+def _experiment(name):
+    import importlib.util
+    import sys as _sys
+
+    from moe_comm.predict.assumptions import REPO
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    _sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HOST_SYNC_SUMMARY = {  # experiments/host_syncs.py's per-phase summary, made up
+    "dispatch.fwd": {"syncs_per_call": 5, "host_ms": 2.0, "wait_us_per_call": 500.0,
+                     "wait_outside_cuda_api": {"op": "deep_ep::dispatch", "self_cpu_us_median": 300.0}},
+    "combine.fwd": {"syncs_per_call": 1, "host_ms": 0.5, "wait_us_per_call": 100.0},
+    "combine.bwd": {"syncs_per_call": 0, "host_ms": 0.3, "wait_us_per_call": None},
+    "dispatch.bwd": {"syncs_per_call": 2, "host_ms": 0.1, "wait_us_per_call": 0.0},
+}
+
+
+def test_calibration_reads_host_syncs_and_routing_imbalance_by_their_schema(tmp_path):
+    """The measured inputs of experiments/host_syncs.py and experiments/routing_imbalance.py, as they
+    write them, found in results/model_inputs by their schema: each GPU case's calls with their cost
+    range, the busiest-rank factor per EP with its median and p90; the scenarios take them; a second
+    file of one schema is refused. Neither is an anchor's figure."""
+    import random
+    import shutil
+
+    import torch
+
+    from moe_comm.predict.assumptions import MODEL_INPUTS
+
+    inputs = tmp_path / "model_inputs"
+    shutil.copytree(MODEL_INPUTS, inputs)
+    ri = _experiment("routing_imbalance")
+    rng = random.Random(0)
+    counts = {s: torch.tensor([[rng.choice((300, 200, 100)) for _ in range(32)] for _ in range(2)], dtype=torch.float64)
+              for s in range(1, 21)}
+    run = {"recipe": "made up", "layers": ["1", "2"], "num_experts": 32, "top_k": 8, "load_balance_coeff": 1e-3}
+    analysis = ri.analyse(run, counts)
+    (inputs / "routing_imbalance_made_up.json").write_text(json.dumps(
+        {"schema": ri.SCHEMA, "run": run, "analysis": analysis}))
+    hs = _experiment("host_syncs")
+    cases = {"deepep_2pe": {"status": "ok", "device": "cuda", "where": "2 PEs", "summary": HOST_SYNC_SUMMARY},
+             "nccl_ep2_cpu": {"status": "ok", "device": "cpu", "summary": {p: {"syncs_per_call": 1} for p in hs.PHASES}}}
+    (inputs / "host_syncs_made_up.json").write_text(json.dumps(
+        {"schema": hs.SCHEMA, "device": "NVIDIA H200", "shape": {"tokens": 4096, "hidden": 7168}, "cases": cases}))
+    calibration.calibrate.cache_clear()
+    try:
+        cal = calibration.calibrate(inputs)
+        assert set(cal.host_syncs) == {"deepep_2pe"}  # the CPU cases count, they do not time
+        d = cal.host_syncs["deepep_2pe"]["dispatch"]
+        floor = cal.kernel_floor_us
+        assert d.count == 5 and d.cost_us == pytest.approx({"low": 5 * floor, "central": 2000 - 500 - 300, "high": 2000})
+        assert cal.host_syncs["deepep_2pe"]["combine backward"].cost_us == {"low": 0.0, "central": 0.0, "high": 0.0}
+        back = cal.host_syncs["deepep_2pe"]["dispatch backward"].cost_us  # no wait: all its host time is idle
+        assert back == pytest.approx({"low": 2 * floor, "central": 100.0, "high": 100.0})
+        ep32 = analysis["ep"]["32"]["all_layers"]
+        assert cal.imbalance.by_ep[32] == {k: ep32[k] for k in ("median", "p90", "max")} and 8 in cal.imbalance.by_ep
+        assert [cal.scenario(s).imbalance for s in ("low", "central", "high")] == ["p90", "median", "drawn"]
+        names = [a.name for a in cal.assumptions]
+        assert any("host synchronisations, deepep_2pe" in n for n in names) and any("busiest EP rank" in n for n in names)
+        assert not [a for a in cal.assumptions if "anchor" in a.source.lower() or "fitted" in a.name.lower()]
+        (inputs / "host_syncs_again.json").write_text((inputs / "host_syncs_made_up.json").read_text())
+        calibration.calibrate.cache_clear()
+        with pytest.raises(ValueError, match="2 host_syncs/1 files"):
+            calibration.calibrate(inputs)
+    finally:
+        calibration.calibrate.cache_clear()
