@@ -205,7 +205,8 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
             f"{p.mfu:>5.1f}%{mark}"
         )
     lines.append("  low-high: every unmeasured input at its pessimistic, then its optimistic end (network efficiency, "
-                 "B200 share of peak, routing imbalance, GPU idle, host syncs; results/scale_model.md)")
+                 "B200 share of peak, routing imbalance, GPU idle, host syncs; results/scale_model.md); step time, TFLOPS "
+                 "and MFU move with tok/s")
     ok = [c.label for c in scale_model.choices() if scale_model.runnable(c.backend, w, c.dispatch_dtype)]
     best = max(ok, key=lambda b: preds[b].tokens_per_s_per_gpu)
     base = baseline().label()

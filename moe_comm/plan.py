@@ -108,7 +108,8 @@ def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
         if any(planner.overlaps_best(row, rows[0]) for row in rows):
             lines.append("  ~: its range meets #1's; the model cannot tell the two apart")
     lines.append("low-high: every unmeasured input at its pessimistic, then its optimistic end (network efficiency, "
-                 "B200 share of peak, routing imbalance, GPU idle, host syncs; results/scale_model.md)")
+                 "B200 share of peak, routing imbalance, GPU idle, host syncs; results/scale_model.md); step time, TFLOPS "
+                 "and MFU move with tok/s")
     return lines
 
 

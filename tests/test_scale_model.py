@@ -478,6 +478,10 @@ def test_the_busiest_rank_factor_scales_what_the_busiest_rank_receives():
     assert cal.imbalance.factor(64, "median") == 1.4 and cal.imbalance.factor(1, "p90") == 1.0
     balanced = scale_model.layer_comm("nvshmem", replace(w, routing="balanced"), cluster, cal)
     assert balanced.busiest_factor == 1.0
+    # fixed receive buffers run no skew beyond them (the run stops, naming recv_capacity_factor)
+    capped = scale_model.layer_comm("nvshmem", replace(w, recv_capacity_factor=1.25), cluster, cal)
+    assert capped.busiest_factor == 1.25
+    assert scale_model.layer_comm("deepep", replace(w, recv_capacity_factor=1.25), cluster, cal).busiest_factor == 1.4
     drawn = scale_model.layer_comm("nvshmem", w, cluster, cal, inputs=replace(cal.scenario(), imbalance="drawn"))
     assert drawn.busiest_factor is None and drawn.transfers[0].nvlink_rows < comm.transfers[0].nvlink_rows
 
@@ -595,6 +599,10 @@ def test_calibration_reads_host_syncs_and_routing_imbalance_by_their_schema(tmp_
 
     inputs = tmp_path / "model_inputs"
     shutil.copytree(MODEL_INPUTS, inputs)
+    for schema in (calibration.HOST_SYNCS_SCHEMA, calibration.IMBALANCE_SCHEMA):  # the recorded ones
+        recorded = calibration.find_input(inputs, schema)
+        if recorded:
+            recorded.unlink()
     ri = _experiment("routing_imbalance")
     rng = random.Random(0)
     counts = {s: torch.tensor([[rng.choice((300, 200, 100)) for _ in range(32)] for _ in range(2)], dtype=torch.float64)
@@ -620,9 +628,20 @@ def test_calibration_reads_host_syncs_and_routing_imbalance_by_their_schema(tmp_
         assert back == pytest.approx({"low": 2 * floor, "central": 100.0, "high": 100.0})
         ep32 = analysis["ep"]["32"]["all_layers"]
         assert cal.imbalance.by_ep[32] == {k: ep32[k] for k in ("median", "p90", "max")} and 8 in cal.imbalance.by_ep
-        assert [cal.scenario(s).imbalance for s in ("low", "central", "high")] == ["p90", "median", "drawn"]
+        # measured on 32 experts, not DeepSeek-V3's 256: the pessimistic end, the drawn routing central
+        assert "32 routed experts" in cal.imbalance.collapsed
+        assert [cal.scenario(s).imbalance for s in ("low", "central", "high")] == ["median", "drawn", "drawn"]
         names = [a.name for a in cal.assumptions]
         assert any("host synchronisations, deepep_2pe" in n for n in names) and any("busiest EP rank" in n for n in names)
+        # a run routing the flagship's 256 experts stands for it: its median central, its p90 the pessimistic end
+        wide = {s: torch.cat([c] * 8, dim=1) for s, c in counts.items()}
+        run256 = dict(run, num_experts=256)
+        (inputs / "routing_imbalance_made_up.json").write_text(json.dumps(
+            {"schema": ri.SCHEMA, "run": run256, "analysis": ri.analyse(run256, wide)}))
+        calibration.calibrate.cache_clear()
+        cal = calibration.calibrate(inputs)
+        assert not cal.imbalance.collapsed and 64 in cal.imbalance.by_ep
+        assert [cal.scenario(s).imbalance for s in ("low", "central", "high")] == ["p90", "median", "drawn"]
         assert not [a for a in cal.assumptions if "anchor" in a.source.lower() or "fitted" in a.name.lower()]
         (inputs / "host_syncs_again.json").write_text((inputs / "host_syncs_made_up.json").read_text())
         calibration.calibrate.cache_clear()

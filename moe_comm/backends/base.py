@@ -110,8 +110,9 @@ class CostTraits:
     from the comm bench) or "DeepEP kernels" (DeepEP v1.2.1's own figure)."""
     host_syncs_per_dispatch: int
     """Host round trips a forward dispatch waits for (split sizes, received counts), as its code
-    makes them: what the model prices, at the all-to-all path's measured cost per call, where
-    `host_syncs_case` has no measurement."""
+    makes them. Where `host_syncs_case` has no measurement, the model prices a dispatch that makes
+    any at the all-to-all path's measured cost per call, within one kernel launch per round trip
+    and that cost per round trip (moe_comm.predict.scale_model.host_us)."""
     layout: str
     """Whose permute to and from the experts' expert-major rows it runs, at its measured cost:
     "TorchTitan" (_permute / _unpermute), "TorchTitan DeepEP" (its DeepEP path's permute) or

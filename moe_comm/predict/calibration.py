@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from moe_comm.backends import backend_class, names
 from moe_comm.backends.nccl import NcclBackend
 from moe_comm.backends.nvshmem import NvshmemBackend
 from moe_comm.predict import layer_compute
@@ -123,6 +124,8 @@ class Imbalance:
 
     by_ep: dict
     source: str
+    experts: int = 0  # the routed experts of the measured run's model
+    collapsed: str = ""  # why the measured routing is not the workloads' (then it is the pessimistic end)
 
     def factor(self, ep: int, which: str) -> float:
         """At an EP degree: the figure of the smallest measured EP at or above it (an upper bound:
@@ -296,8 +299,21 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
                             f"{rel}/{f}" for f in idle_files)))
     host_syncs, host_assumptions = _host_syncs(inputs, rel, floor)
     A += host_assumptions
+    for name in names():  # the host-driven backends whose case was not measured: their stated count
+        costs = backend_class(name).costs
+        if costs and costs.transport != "NCCL" and costs.host_syncs_per_dispatch and \
+                costs.host_syncs_case not in host_syncs:
+            n = costs.host_syncs_per_dispatch
+            A.append(Assumption(
+                f"host synchronisations of {name} ({costs.host_syncs_case} not measured): a forward dispatch's, as "
+                "a host-driven call of the all-to-all path costs in all", nccl_call, "us",
+                f"{n} per forward dispatch as its code makes them ({backend_class(name).__name__}'s CostTraits); "
+                "the all-to-all path's per-call cost above (not measured for it: experiments/host_syncs.py's "
+                f"{costs.host_syncs_case} case measures it)", low=n * floor, high=n * nccl_call,
+                range_source=f"low: one kernel launch (the per-kernel floor) per synchronisation; high: each of the {n} "
+                             "at the all-to-all path's per-call cost"))
     imbalance = _imbalance(inputs, rel)
-    if imbalance:
+    if imbalance and not imbalance.collapsed:
         A.append(Assumption("busiest EP rank's routed rows over the mean rank's (the routing the recipe's run sees)",
                             imbalance.factor(32, "median"), "x at EP 32 (median)",
                             f"{imbalance.source}: " + "; ".join(
@@ -307,6 +323,15 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
                             low=1.0, high=imbalance.factor(32, "p90"),
                             range_source="high: the measured p90; low: the drawn routing's own busiest rank "
                                          "(uniform scores: sampling alone)"))
+    elif imbalance:
+        A.append(Assumption("busiest EP rank's routed rows over the mean rank's: the drawn routing's (DeepSeek-V3's "
+                            "node-limited router on uniform scores), the measured one its pessimistic end", 1.0, "x",
+                            f"central: the drawn routing's own busiest rank; the measured routing ({imbalance.source}: "
+                            + "; ".join(f"EP {ep} median {v['median']:.3f}" for ep, v in sorted(imbalance.by_ep.items()))
+                            + f") is not the workloads': {imbalance.collapsed}",
+                            low=1.0, high=imbalance.factor(32, "median"),
+                            range_source="high: the measured median at the workload's EP (EP 32 shown); low: the "
+                                         "drawn routing's own"))
     else:
         A.append(Assumption("busiest EP rank's routed rows over the mean rank's", 1.0, "x",
                             f"not measured yet ({rel} holds no {IMBALANCE_SCHEMA} file: experiments/"
@@ -314,8 +339,12 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
                             "routing's own busiest rank"))
     net, share = READ["network_efficiency"], READ["peak_share"]
     measured_skew = "median" if imbalance else "drawn"
+    if imbalance and imbalance.collapsed:  # the measured routing bounds it from above, no more
+        measured_skew, worst_skew = "drawn", "median"
+    else:
+        worst_skew = "p90" if imbalance else "drawn"
     scenarios = {
-        "low": Inputs(net.low, share.low, "p90" if imbalance else "drawn", idle_hi, "high"),
+        "low": Inputs(net.low, share.low, worst_skew, idle_hi, "high"),
         "central": Inputs(net.value, share.value, measured_skew, idle_ratio, "central"),
         "high": Inputs(net.high, share.high, "drawn", idle_lo, "low"),
     }
@@ -405,6 +434,19 @@ def _imbalance(inputs: Path, rel) -> Imbalance | None:
     doc = json.loads(path.read_text())
     by_ep = {int(ep): {k: e["all_layers"][k] for k in ("median", "p90", "max")}
              for ep, e in doc["analysis"]["ep"].items() if e.get("derivable")}
-    run = doc.get("run", {})
-    return Imbalance(by_ep, f"{rel}/{path.name} ({run.get('recipe')}, {doc['analysis']['steps']['count']} steps, "
-                            f"{doc['analysis']['experts']} experts; per MoE layer and step)")
+    run, a = doc.get("run", {}), doc["analysis"]
+    experts = a["experts"]
+    full = _flavor("671B").moe_args.num_experts
+    # a run that routes fewer experts than DeepSeek-V3 (a small model trained from scratch) need not
+    # route like it: its skew bounds the workloads' from above until a run of their own routing is measured
+    collapsed = ""
+    if experts < full:
+        collapsed = (f"measured on a model of {experts} routed experts ({run.get('flavor')}, {a['steps']['last']} steps "
+                     f"from scratch), not DeepSeek-V3's {full}")
+        if by_ep:  # how close to all of a step's tokens on one rank (at most ep x min(top_k, experts / ep) / top_k)
+            ep = max(by_ep)
+            most = ep * min(a["top_k"], experts / ep) / a["top_k"]
+            collapsed += (f"; its routing concentrated on few experts: at EP {ep} the busiest rank took "
+                          f"{by_ep[ep]['median']:.2f}x the mean, of at most {most:g}x")
+    return Imbalance(by_ep, f"{rel}/{path.name} ({run.get('recipe')}, {a['steps']['count']} steps, "
+                            f"{experts} experts; per MoE layer and step)", experts, collapsed)

@@ -183,18 +183,21 @@ class MemoryEstimate:
     # what activation checkpointing keeps of each MoE layer's dispatch and combine so that its
     # recompute re-runs neither (comm_kept_bytes), for every MoE layer-microbatch in flight
     comm_kept: float = 0.0
+    # the memory pools of the MoE calls' CUDA graphs (call_graph_bytes), held for the whole step
+    call_graphs: float = 0.0
 
     @property
     def forward_end(self) -> float:
         """The most activations alive; with PP, the accumulating gradients are there too (the
         first microbatch's backward precedes the last one's forward)."""
         held = (self.params_and_optimizer + self.fsdp_working_set + self.weight_copies + self.activations
-                + self.comm_kept + self.logits)
+                + self.comm_kept + self.logits + self.call_graphs)
         return held + (self.grad_reduce if self.pipelined else 0.0)
 
     @property
     def backward_end(self) -> float:
-        return self.params_and_optimizer + self.gradients + self.fsdp_working_set + self.grad_reduce
+        return (self.params_and_optimizer + self.gradients + self.fsdp_working_set + self.grad_reduce
+                + self.call_graphs)
 
     @property
     def total(self) -> float:
@@ -265,22 +268,25 @@ def pipeline_ranks(a, layout: Layout, local_batch: int, microbatch: int, pp_sche
 def memory_per_gpu(
     a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int = 1,
     pp_schedule: str = "1F1B", layers_per_stage: int | None = None, *, comm_kept_per_layer: float = 0.0,
-    extra_chunks: int = 0,
+    extra_chunks: int = 0, call_graphs_per_layer: float = 0.0,
 ) -> MemoryEstimate:
     """Per-GPU memory; with PP, of the pipeline rank that holds the most. `comm_kept_per_layer`:
     the bytes activation checkpointing keeps per MoE layer and microbatch so that its recompute
     re-runs no communication (comm_kept_bytes, for the run's backend; 0 where the recompute
     re-runs it, as TorchTitan's own does); `extra_chunks`: microbatch-stages a schedule holds
-    beyond its own (the microbatch overlap's one more warmup forward)."""
+    beyond its own (the microbatch overlap's one more warmup forward); `call_graphs_per_layer`: the
+    MoE calls' CUDA graph pools per MoE layer (call_graph_bytes, for a backend that graphs them)."""
     if layout.pp > 1:
         ranks = pipeline_ranks(a, layout, local_batch, microbatch, pp_schedule, layers_per_stage)
         return max((_memory(a, layout, local_batch, seq_len, ac_mode, microbatch, r, comm_kept_per_layer,
-                            extra_chunks) for r in ranks), key=lambda mem: mem.total)
-    return _memory(a, layout, local_batch, seq_len, ac_mode, microbatch, None, comm_kept_per_layer)
+                            extra_chunks, call_graphs_per_layer) for r in ranks), key=lambda mem: mem.total)
+    return _memory(a, layout, local_batch, seq_len, ac_mode, microbatch, None, comm_kept_per_layer,
+                   call_graphs_per_layer=call_graphs_per_layer)
 
 
 def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int,
-            rank: PipelineRank | None, comm_kept_per_layer: float = 0.0, extra_chunks: int = 0) -> MemoryEstimate:
+            rank: PipelineRank | None, comm_kept_per_layer: float = 0.0, extra_chunks: int = 0,
+            call_graphs_per_layer: float = 0.0) -> MemoryEstimate:
     p = count_params(a)
     shard = layout.dp_shard * layout.cp * layout.tp * layout.pp
     routed_per_block = expert_params(a, a.moe_args.num_experts)
@@ -342,6 +348,7 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
         fsdp_working_set=fsdp_working_set, grad_reduce=grad_reduce, activations=activations,
         weight_copies=weight_copies, logits=logits, allocator_cache=cache, pipelined=rank is not None,
         microbatches_in_flight=in_flight, stages_per_rank=rank.pipe.v if rank else 1, comm_kept=comm_kept,
+        call_graphs=call_graphs_per_layer * moe_layers,
     )
 
 
@@ -457,3 +464,20 @@ def comm_kept_bytes(a, tokens: int, ep: int, backend: str, *, overlap: str = "no
         else:
             raise ValueError(f"backend {backend!r} is not one of nccl, nvshmem, deepep")
     return total
+
+
+def call_graph_bytes(a, tokens: int, ep: int, recv_capacity_factor: float = 0.0, act_bytes: int = 2,
+                     align: int = 8) -> float:
+    """Bytes the CUDA graphs of one MoE layer's calls keep in their memory pools
+    (moe_comm.kernels.call_graphs: each instance keeps its outputs' memory while idle, and a call
+    whose earlier outputs are still alive gets another instance): about two of each call kind's
+    outputs - dispatch's expert rows (the buffer's capacity), combine's output (the tokens), and
+    their backwards' (rows-shaped and tokens-shaped) - for the rank's `tokens` per call. Measured
+    on one H200: the one-GPU recipe's peak in use rose by 8.1 GiB when its MoE calls became graphs
+    (2 MoE layers of 8192 tokens: results/h200x1/README.md, this rule gives 7.9)."""
+    from moe_comm.kernels import capacity
+
+    m = a.moe_args
+    cap = capacity.expert_rows(tokens, m.num_experts, m.top_k, ep, recv_capacity_factor, align)
+    return 2 * (2 * cap + 2 * tokens) * a.dim * act_bytes
+

@@ -368,13 +368,18 @@ def rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: boo
                 note(FLEX_NOTE.format(impl=impl, case=name))
             return p, name, p and _measured_core_work(p, ref, case)
         if part == "attention.projections":  # the module less its kernel (one document), same implementation
-            mod = bench.part(name, f"attention.module.{impl}") or bench.part(name, "attention.module.sdpa")
-            core = mod and bench.part(name, mod["name"].replace("module", "core"))
-            if not (mod and core):
-                return None, name, None
-            fwd, bwd = (_ms(mod, k) - _ms(core, k) for k in ("fwd", "bwd"))
-            return {"name": part, "ms": {"fwd": {"median": fwd}, "bwd": {"median": bwd},
-                                         "recompute": _ms(mod, "recompute") - _ms(core, "recompute")}}, name, None
+            for case_name in [name] + [c for c in bench.cases if c != name]:  # another case, scaled by work
+                mod = bench.part(case_name, f"attention.module.{impl}") or bench.part(case_name, "attention.module.sdpa")
+                core = mod and bench.part(case_name, mod["name"].replace("module", "core"))
+                if mod and core:
+                    if case_name != name:
+                        note(f"attention projections: not measured at case {name!r}: case {case_name!r}'s, scaled by "
+                             "work")
+                    fwd, bwd = (_ms(mod, k) - _ms(core, k) for k in ("fwd", "bwd"))
+                    return {"name": part, "ms": {"fwd": {"median": fwd}, "bwd": {"median": bwd},
+                                                 "recompute": _ms(mod, "recompute") - _ms(core, "recompute")}}, \
+                        case_name, None
+            return None, name, None
         if part == "experts":
             if mx or ours_fp8:
                 p = bench.part(name, f"experts.{FP8_EXPERTS}.{routing}")

@@ -264,16 +264,21 @@ def _stats(w: Workload) -> PlanStats:
                               m.num_expert_groups or 8, m.num_limited_groups or 4)
 
 
-def busiest_factor(w: Workload, cal: Calibration, inputs: Inputs) -> float | None:
+def busiest_factor(w: Workload, cal: Calibration, inputs: Inputs, backend: str) -> float | None:
     """The busiest EP rank's routed rows over the mean rank's that the workload's routing sees
     (None: the drawn routing's own busiest rank). Forced-balanced routing is exact as drawn (every
     rank the same rows); otherwise the measured factor at the workload's EP, at the scenario's
-    statistic (calibration.Imbalance), where it was measured."""
+    statistic (calibration.Imbalance), where it was measured. A backend with fixed receive
+    buffers (a symmetric heap: recv_capacity_factor x the balanced load) runs no skew beyond
+    them - the run stops with an error naming the field - so its factor stops there."""
     if w.routing == "balanced" or w.layout.ep == 1:
         return 1.0
     if inputs.imbalance == "drawn" or cal.imbalance is None:
         return None
-    return cal.imbalance.factor(w.layout.ep, inputs.imbalance)
+    factor = cal.imbalance.factor(w.layout.ep, inputs.imbalance)
+    if backend_class(backend).symmetric_heap and w.recv_capacity_factor > 0:
+        factor = min(factor, w.recv_capacity_factor)
+    return factor
 
 
 # ----------------------------------------------------------------------------- transfers
@@ -350,11 +355,18 @@ def host_us(costs, name: str, cal: Calibration, inputs: Inputs) -> float:
     """The GPU time one transfer loses to its host synchronisations: measured per call where the
     backend's case was (calibration.HostSync, at the scenario's end of its range); for the NCCL
     transport its per-call cost is measured whole (the comm bench's round trips, counts exchange
-    and host syncs included) on the forward dispatch; else the class's stated count at that cost."""
+    and host syncs included) on the forward dispatch. Where neither, a forward dispatch that makes
+    any (its class's stated count) costs what a host-driven call of the all-to-all path costs in
+    all, within one kernel launch per round trip (low) and that cost per round trip (high)."""
     measured = cal.host_syncs.get(costs.host_syncs_case)
     if measured and costs.transport != "NCCL":
         return measured[name].cost_us[inputs.host_sync]
-    return costs.host_syncs_per_dispatch * cal.nccl_call_us if name == "dispatch" else 0.0
+    n = costs.host_syncs_per_dispatch
+    if name != "dispatch" or not n:
+        return 0.0
+    if costs.transport == "NCCL":
+        return n * cal.nccl_call_us
+    return {"low": n * cal.kernel_floor_us, "central": cal.nccl_call_us, "high": n * cal.nccl_call_us}[inputs.host_sync]
 
 
 def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration,
@@ -374,7 +386,7 @@ def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration,
     inputs = inputs or cal.scenario()
     costs = cls.costs
     st = _stats(w)
-    factor = busiest_factor(w, cal, inputs)
+    factor = busiest_factor(w, cal, inputs, backend)
     T = w.tokens_per_call
     hidden = w.args.dim
     hier = costs.hierarchical
@@ -612,7 +624,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
     if cal.layer_bench is None:
         raise ValueError("the step model prices compute from the layer benchmark (layer_compute.BENCH, "
                          "moe_comm.predict.layer_compute); this calibration has none")
-    factor = busiest_factor(w, cal, inputs)
+    factor = busiest_factor(w, cal, inputs, backend)
     # the GPU share an overlapped comm kernel takes from the GEMMs beside it (NCCL's channels are
     # assumed to take the same num_sms)
     sm_share = w.num_sms / gpu.sms
@@ -784,10 +796,14 @@ def comm_kept_per_layer(w: Workload, backend: str) -> float:
 
 def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
     """The memory estimate of a workload run by `backend`: what its recompute keeps of each MoE
-    layer's communication, and the microbatch overlap's one more microbatch-stage in flight."""
+    layer's communication, the microbatch overlap's one more microbatch-stage in flight, and the
+    CUDA graph pools of a backend whose MoE calls replay from graphs (our kernels')."""
+    graphs = (estimate.call_graph_bytes(w.args, w.tokens_per_call, w.layout.ep, w.recv_capacity_factor)
+              if backend_class(backend).costs.transport == "our kernels" else 0.0)
     return estimate.memory_per_gpu(
         w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch, w.pp_schedule, w.layers_per_stage,
-        comm_kept_per_layer=comm_kept_per_layer(w, backend), extra_chunks=1 if w.overlap == "microbatch" else 0)
+        comm_kept_per_layer=comm_kept_per_layer(w, backend), extra_chunks=1 if w.overlap == "microbatch" else 0,
+        call_graphs_per_layer=graphs)
 
 
 def predict_all(w: Workload, cluster: Cluster, cal: Calibration) -> dict[str, StepPrediction]:
