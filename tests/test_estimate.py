@@ -129,6 +129,7 @@ def test_check_cli_on_flagship(capsys, monkeypatch):
     assert "low-high" in out and "low-high: every unmeasured input at its pessimistic" in out
     assert "4 transfers each (the AC recompute replays what dispatch and combine returned" in out
     assert "6 transfers" not in out and "what the recompute keeps of dispatch and combine" in out
+    assert "the MoE calls' CUDA graph pools" in out  # nvshmem replays each MoE call from a graph
 
 
 def test_check_cli_on_the_one_gpu_recipe(capsys, monkeypatch):

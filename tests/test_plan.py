@@ -128,21 +128,20 @@ def test_plan_refusals(argv, message, capsys, monkeypatch):
 
 
 def test_check_names_the_plans_best_layout_when_the_recipe_is_slower(capsys, monkeypatch):
-    """The flagship with nvshmem but its old layout (1F1B, 8 microbatches) is predicted more
-    than 10% slower than the plan's best with EP 32 kept: `check` says so, with the overrides."""
+    """The flagship with nvshmem but an old layout (8 microbatches, no overlap) is predicted more
+    than 10% slower than the plan's best with EP 32 and its global batch kept: `check` says so,
+    with the overrides."""
     monkeypatch.chdir(REPO)
-    old = ["--parallelism.pipeline_parallel_schedule", "1F1B",
-           "--training.local_batch_size", "8", "--moe_comm.overlap", "none",
-           "--parallelism.pipeline_parallel_layers_per_stage", "None"]
+    old = ["--training.local_batch_size", "8", "--moe_comm.overlap", "none"]
     assert main(["check", "recipes/deepseek_v3_671b_b200.toml", "--skip-files", *old]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("plan "))
     assert "faster on this cluster with nvshmem, EP 32 and the global batch kept" in line
-    assert "--parallelism.pipeline_parallel_degree 1" in line or "Interleaved" in line
+    assert "--moe_comm.overlap chunked" in line
 
 
 def test_check_is_quiet_on_the_flagship_it_planned(capsys, monkeypatch):
     """The flagship carries the plan's best nvshmem layout with PP 8; the plan's best with its
-    EP and global batch (PP 1) is within 10%: no plan line."""
+    EP and global batch is within 10%: no plan line."""
     monkeypatch.chdir(REPO)
     assert main(["check", "recipes/deepseek_v3_671b_b200.toml", "--skip-files"]) == 0
     out = capsys.readouterr().out
