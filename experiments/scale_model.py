@@ -364,8 +364,11 @@ SETTLE = {
                 "standard row (its MoE communication is most of the step); no GPU here spans nodes. On one GPU: "
                 "`experiments/emulated_link.py` bounds what the network time can be for the measured step, and "
                 "experiments/host_syncs.py's nccl_ep1 case the host part of the per-call cost",
-    "deepep": "Settled in part by experiments/host_syncs.py's deepep_2pe case (TorchTitan's DeepEP path at 2 PEs under MPS: how often "
-              "it waits on the host per dispatch and combine and for how long) settles the host part; what is left "
+    "deepep": "Its host synchronisations are the unmeasured input that moves it most: at the range's pessimistic end "
+              "(each of its five per forward dispatch, NOTES §10, as costly as the all-to-all path's whole call) the "
+              "row gives the low end above. experiments/host_syncs.py's deepep_2pe case (TorchTitan's DeepEP path at "
+              "2 PEs on one H200 under MPS: how often it waits on the host per dispatch and combine, and for how "
+              "long) settles that part - it did not run in this session's device call and is owed; what is left "
               "after it is DeepEP's internode rate and its EP-wide barrier at 32 ranks, which only a multi-node run "
               "measures (experiments/bench_comm.py across nodes for deepep and nvshmem at EP 16/32)",
 }
@@ -478,8 +481,16 @@ def memory_section(rows, cal, lines):
               f"{r.config.moe_comm.recv_capacity_factor:g}) that is {kept / estimate.GiB:.2f} GiB per MoE layer and "
               f"microbatch, {mem.comm_kept / estimate.GiB:.1f} GiB on the busiest pipeline rank "
               f"({mem.microbatches_in_flight:g} microbatches in flight), of its {mem.total / estimate.GiB:.0f} GiB "
-              f"({mem.peak_at}). At the factor 2 the recipe had, the flagship does not fit the B200; the "
-              "factor must stay above the busiest rank's measured load (an overflow stops the run, naming the field).",
+              f"({mem.peak_at}). Each MoE call replays from a CUDA graph whose pool keeps its outputs "
+              "(moe_comm.kernels.call_graphs; `estimate.call_graph_bytes`: about two of each call kind's outputs per "
+              f"MoE layer, {mem.call_graphs / estimate.GiB:.1f} GiB on that rank), measured only at world 1 (the "
+              "one-GPU recipe's peak in use rose by 8.1 GiB when its calls became graphs, results/h200x1/README.md; "
+              "the rule gives 7.9). At the factor 2 the recipe had, no layout with EP 32 and PP 8 fits the B200, "
+              "and at 1.25 only 1F1B does; the factor must stay above the busiest rank's load (an overflow stops "
+              "the run, naming the field). The allocator's cache term (fitted on 2xH200) puts the flagship's "
+              f"reserved memory at {mem.reserved / estimate.GiB:.0f} GiB, above the B200's 178: the caching "
+              "allocator gives cached blocks back before it fails an allocation, so the bound is on memory in "
+              "use, but fragmentation at this margin is not measured.",
               "",
               "Without fully_shard (world 1: dp_shard x cp = 1 and EP 1) TorchTitan applies no FSDP and trains under "
               "torch.autocast: there is no working set and no gradient reduce, but autocast keeps a bf16 copy of "
@@ -576,9 +587,17 @@ def gaps_section(rows, cal, lines):
         got = {r.id.rsplit("-", 1)[1]: r.measured for r in rows if f"overlap_training/deepseek_v3_671b_h200x1/{backend}-" in r.id}
         return f"{(got['chunked'] / got['none'] - 1) * 100:+.1f}%"
 
-    missing = [a for a in cal.assumptions if a.source.startswith("not measured yet")]
+    missing = [a for a in cal.assumptions if a.source.startswith("not measured yet") or "not measured)" in a.name]
     lines += ["## Known gaps", ""]
-    lines += [f"- **Not measured yet: {a.name}.** {a.source}." for a in missing]
+    lines += [f"- **Not measured yet: {a.name}.** {a.source}" + (f"; range {a.low:.4g}-{a.high:.4g} ({a.range_source})"
+              if a.low is not None else "") + "." for a in missing]
+    if cal.imbalance and cal.imbalance.collapsed:
+        lines.append("- **The routing's busiest-rank skew at the flagship is not measured.** The one measured routing "
+                     f"({cal.imbalance.source}) is not the flagship's: {cal.imbalance.collapsed}. It is the pessimistic "
+                     "end of the range (for nvshmem, as far as its receive buffers run: recv_capacity_factor); the "
+                     "central value is the drawn routing's (DeepSeek-V3's node-limited router on uniform scores). "
+                     "Settled by the flagship's own `[moe_comm] log_expert_counts` in its first steps, or by a "
+                     "pretrained router's counts.")
     lines += [f"- **16B on 2 H200 (held out): nvshmem {err('nvshmem_16b/')} ({err('split_kernels_16b/deepseek_v3_16b_h200x2-nvshmem')} "
               "on the slow lease).** 27 thin layers (dim 2048) with full AC and FlexAttention run host- and "
               "launch-bound (NOTES §1: GPU idle ~70% in a 16B profile); their compute is the 671B parts scaled by "

@@ -416,9 +416,13 @@ def _host_syncs(inputs: Path, rel, floor_us: float) -> tuple[dict, list[Assumpti
             continue  # the CPU cases count, they do not time
         out[case] = {t: host_sync_costs(c["summary"][phase], floor_us) for t, phase in HOST_SYNC_PHASES.items()}
         d = out[case]["dispatch"]
+        whole = [n for n in names() if backend_class(n).costs and backend_class(n).costs.host_syncs_case == case
+                 and backend_class(n).costs.transport == "NCCL"]
+        record = (f" ({', '.join(whole)}: for the record - its per-call cost is the comm bench's measured round trip, "
+                  "host syncs included)" if whole else "")
         A.append(Assumption(
             f"host synchronisations, {case} ({c.get('where', '')}): per forward dispatch, and the GPU time each call "
-            "loses", d.count, f"syncs; {d.cost_us['central']:.0f} us", f"{rel}/{path.name} ({doc.get('device')}, "
+            f"loses{record}", d.count, f"syncs; {d.cost_us['central']:.0f} us", f"{rel}/{path.name} ({doc.get('device')}, "
             f"{doc['shape']['tokens']} tokens, hidden {doc['shape']['hidden']}); per call: "
             + "; ".join(f"{t} {h.count:g} x, {h.cost_us['central']:.0f} us" for t, h in out[case].items()),
             low=d.cost_us["low"], high=d.cost_us["high"],
