@@ -61,8 +61,9 @@ def flagship_transfers(flagship: str, gpu: str) -> dict[str, dict[str, float]]:
     cal = calibration.calibrate()
     w, cluster = scale_model.workload_from_spec({"recipe": flagship, "overrides": [], "gpu": gpu}, cal)
     r = _recipe(flagship, [])
-    backend = "nvshmem-fp8" if r.config.moe_comm.dispatch_dtype == "fp8" else "nvshmem"
-    comm = scale_model.layer_comm(backend, w, cluster, cal)
+    dtype = r.config.moe_comm.dispatch_dtype
+    backend = scale_model.backend_class("nvshmem").label(dtype)
+    comm = scale_model.layer_comm("nvshmem", w, cluster, cal, dtype)
     by_kind = {t.kind: t for t in comm.transfers if t.forward}  # dispatch, combine (backwards move the same rows)
     return {kind: {"network_bytes": t.network_bytes, "network_us": t.network_us, "tokens": w.tokens_per_call,
                    "network_gbps": cluster.network_gbps, "backend": backend}
@@ -80,8 +81,8 @@ def model_prediction(recipe: str, overrides: list[str], link: EmulatedLink) -> d
     w, cluster = scale_model.workload_from_spec({"recipe": recipe, "overrides": overrides, "gpu": "H200"}, cal)
     real_layer_comm = scale_model.layer_comm
 
-    def over_the_link(backend, w, cluster, cal):
-        comm = real_layer_comm(backend, w, cluster, cal)
+    def over_the_link(backend, w, cluster, cal, *args, **kwargs):
+        comm = real_layer_comm(backend, w, cluster, cal, *args, **kwargs)
         for t in comm.transfers:  # a full call's hold; the model halves it per chunk itself
             t.network_us = link.hold_ns(t.kind, w.tokens_per_call) / 1e3
         return comm

@@ -62,7 +62,7 @@ SCHEMA = "host_syncs/1"
 PHASES = ("dispatch.fwd", "combine.fwd", "combine.bwd", "dispatch.bwd")  # in the order they run
 RANGE = "host_syncs/"
 SLEEP_MS = 20.0
-NUM_SMS = 20  # per PE: 2 PEs x 20 SMs fit one H200's 132 (NOTES §7)
+NUM_SMS = 20  # per PE: 2 PEs x 20 SMs fit one H200's 132 (the cooperative launches of all PEs must be resident at once)
 CUDA_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                    "cudaMemcpy2D", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize",
                    "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2")
@@ -327,7 +327,7 @@ def _start_group(spec: CaseSpec) -> torch.device:
     torch.cuda.set_device(local_rank % gpus)
     if int(os.environ["WORLD_SIZE"]) <= gpus:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    else:  # ranks share a GPU: NCCL refuses that (NOTES §7)
+    else:  # ranks share a GPU: NCCL refuses that ("Duplicate GPU detected")
         dist.init_process_group("gloo")
     return torch.device("cuda", local_rank % gpus)
 

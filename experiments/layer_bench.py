@@ -1030,7 +1030,7 @@ def run_part(part: Part, device, clock, args, state, peaks, ceil) -> dict:
 
 def _unmet(part: Part, device: torch.device, state: dict) -> str:
     if "cuda" in part.requires and device.type != "cuda":
-        why = {"flex": "FlexAttention's backward does not run on CPU (NOTES §1); the SDPA parts stand in",
+        why = {"flex": "FlexAttention's backward does not run on CPU; the SDPA parts stand in",
                "varlen": "FlashAttention's variable-length kernel is CUDA only",
                "fp8": "float8 grouped GEMMs need a CUDA GPU of SM 8.9 or later"}
         return next((why[r] for r in part.requires if r in why), "needs a CUDA GPU")

@@ -13,11 +13,11 @@ a failure recorded with its log tail while the others go on). Measured: the maxi
 run's steps of TorchTitan's per-step peaks, memory/max_active(GiB) (the caching allocator's
 peak of active bytes: what torch.cuda.max_memory_allocated reports, plus blocks freed on the
 host whose stream work is still queued) and memory/max_reserved(GiB); TorchTitan resets the
-peaks at every logged step. Estimated: moe_comm.predict.estimate.memory_per_gpu on the recipe with the
+peaks at every logged step. Estimated: moe_comm.predict.scale_model.memory on the recipe with the
 same overrides, as `python -m moe_comm check` computes it. OUT/NAME.json holds both per run,
 the command, and the error (issue 24's target: within +-8% of the measured peak in use).
 The backend defaults to nccl: at EP 1 it is TorchTitan's own local path and needs no kernel
-build; the nvshmem backend's peak was the same at world 1 (NOTES §9). The runs stay in the
+build; the nvshmem backend's peak was the same at world 1 (results/h200x1/README.md, run 12). The runs stay in the
 archive (OUT, results/h200x1 by default); the scale model is checked against them through rows
 of results/model_inputs/scale_model_validation.json, each with its value and the run's
 metrics.jsonl it was read from (tests/test_model_inputs.py checks the two agree).
@@ -37,8 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from experiments import runner  # noqa: E402
 from moe_comm import recipe  # noqa: E402
-from moe_comm.layout import flavor_args  # noqa: E402
-from moe_comm.predict import estimate  # noqa: E402
+from moe_comm.predict import estimate, scale_model  # noqa: E402
 from moe_comm.metrics import keys  # noqa: E402
 
 DEFAULT_RECIPE = "recipes/deepseek_v3_671b_h200x1.toml"
@@ -62,16 +61,12 @@ def config_overrides(mode: str) -> list[str]:
     return ov
 
 
-def estimated(recipe_path: str, mode: str, batch: int, gpu: str) -> dict:
+def estimated(recipe_path: str, mode: str, batch: int, gpu: str, backend: str) -> dict:
     """The estimate for the recipe with this run's overrides, term by term (GiB)."""
     r = recipe.load(recipe_path, config_overrides(mode) + ["--training.local_batch_size", str(batch)],
                     device="cuda", gpu=gpu, check_paths=False)
-    c = r.config
-    p = c.parallelism
-    mem = estimate.memory_per_gpu(flavor_args(c), r.layout, c.training.local_batch_size, c.training.seq_len,
-                                  c.activation_checkpoint.mode, microbatch=p.pipeline_parallel_microbatch_size,
-                                  pp_schedule=p.pipeline_parallel_schedule,
-                                  layers_per_stage=p.pipeline_parallel_layers_per_stage)
+    # the run's backend: what its comm-free recompute keeps is in the estimate
+    mem = scale_model.memory(scale_model.workload_from_recipe(r), backend)
     G = estimate.GiB
     terms = {k: v / G for k, v in asdict(mem).items()}
     return {"in_use_gib": mem.total / G, "reserved_gib": mem.reserved / G, "peak_at": mem.peak_at,
@@ -137,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     configs = [parse_config(c) for c in args.configs]
     try:
-        estimates = [estimated(args.recipe, mode, batch, args.gpu) for mode, batch in configs]
+        estimates = [estimated(args.recipe, mode, batch, args.gpu, args.backend) for mode, batch in configs]
     except recipe.RecipeError as e:
         return recipe.main_error(e)
     if args.estimate_only:

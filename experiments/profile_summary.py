@@ -5,8 +5,8 @@
 Kernel time is summed by category over the profiled step's span: MoE dispatch/combine
 (this project's kernels, or the NCCL send/recv kernels of the all-to-all path), FSDP
 collectives (all-gather / reduce-scatter), GEMMs, and everything else; "idle" is the share of
-the span in which no kernel ran at all (host syncs, launch gaps). This is how NOTES.md §1's
-table was computed, so the numbers compare.
+the span in which no kernel ran at all (host syncs, launch gaps). Every profile summary under
+results/ was computed this way, so the numbers compare.
 """
 
 import json

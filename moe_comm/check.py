@@ -87,27 +87,29 @@ def report(r: recipe.Recipe) -> str:
 
 def _memory_line(mem: estimate.MemoryEstimate, r: recipe.Recipe) -> str:
     G = estimate.GiB
+    kept = (f" + what the recompute keeps of dispatch and combine {mem.comm_kept / G:.1f}" if mem.comm_kept else "")
     if mem.pipelined:
         held = (f"unsharded stage params {mem.fsdp_working_set / G:.1f} + their fp32 gradients "
                 f"{mem.grad_reduce / G:.1f} + ")
         ends = (f"activations {mem.activations / G:.1f} ({mem.microbatches_in_flight:g} microbatches in flight, "
-                f"{mem.stages_per_rank} stage(s) per rank) + logits {mem.logits / G:.1f}"
+                f"{mem.stages_per_rank} stage(s) per rank){kept} + logits {mem.logits / G:.1f}"
                 if mem.peak_at == "end of forward" else f"sharded gradients {mem.gradients / G:.1f}")
     elif not estimate.fsdp_applied(r.layout):  # one GPU: autocast, no fully_shard
         held = (f"autocast's bf16 weight copies {mem.weight_copies / G:.1f} + "
                 if mem.peak_at == "end of forward" else "")
-        ends = (f"activations {mem.activations / G:.1f} + logits {mem.logits / G:.1f}"
+        ends = (f"activations {mem.activations / G:.1f}{kept} + logits {mem.logits / G:.1f}"
                 if mem.peak_at == "end of forward" else f"fp32 gradients {mem.gradients / G:.1f}")
         ends += " (no fully_shard at this layout)"
     else:
         held = f"FSDP working set {mem.fsdp_working_set / G:.1f} + "
-        ends = (f"activations {mem.activations / G:.1f} + logits {mem.logits / G:.1f}"
+        ends = (f"activations {mem.activations / G:.1f}{kept} + logits {mem.logits / G:.1f}"
                 if mem.peak_at == "end of forward" else
                 f"gradients {mem.gradients / G:.1f} + gradient reduce {mem.grad_reduce / G:.1f}")
     at = "with the most microbatches in flight" if mem.pipelined and mem.peak_at == "end of forward" else mem.peak_at
     where = at + (", busiest pipeline rank" if mem.pipelined else "")
+    graphs = f" + the MoE calls' CUDA graph pools {mem.call_graphs / G:.1f}" if mem.call_graphs else ""
     return (f"memory/GPU  {mem.total / G:.1f} GiB in use at its peak ({where}): "
-            f"params + AdamW {mem.params_and_optimizer / G:.1f} (12 B/param sharded) + {held}{ends}"
+            f"params + AdamW {mem.params_and_optimizer / G:.1f} (12 B/param sharded) + {held}{ends}{graphs}"
             f"; reserved by the allocator ~{mem.reserved / G:.1f}; {_verdict(mem.total / G, r)}")
 
 
@@ -156,7 +158,9 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
         cal = calibration.calibrate()
         w = scale_model.workload_from_recipe(r)
         cluster = scale_model.cluster_for(gpu, r.layout.nodes, r.layout.procs_per_node, cal)
-        preds = scale_model.predict_all(w, cluster, cal)
+        ranges = {c.label: scale_model.predict_range(c.backend, w, cluster, cal, c.dispatch_dtype)
+                  for c in scale_model.choices()}
+        preds = {label: rng.central for label, rng in ranges.items()}
     except (OSError, KeyError, ValueError) as e:
         return [f"MoE comm    scale model unavailable ({type(e).__name__}: {e}); results/model_inputs holds its inputs"]
     first = next(iter(preds.values()))
@@ -172,8 +176,7 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
         f"MoE comm    EP {r.layout.ep} over {w.ep_nodes} node(s) x {w.ranks_per_node} rank(s); routing "
         f"{w.routing}: {st.nodes_hit_per_token:.2f} nodes and {st.ranks_hit_per_token:.2f} ranks per token "
         f"(per-node dedup {st.node_dedup:.2f}x, per-rank {st.rank_dedup:.2f}x); {w.tokens_per_call} tokens per "
-        f"MoE call, {calls:g} MoE layer-microbatches per step on the busiest rank, "
-        f"{'6 transfers each (full AC re-runs the forward ones)' if w.comm_recomputed else '4 transfers each'}; "
+        f"MoE call, {calls:g} MoE layer-microbatches per step on the busiest rank, {_transfers_text(w)}; "
         f"overlap {w.overlap}",
     ]
     if r.layout.pp > 1:
@@ -189,10 +192,11 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
         f"network {cluster.network_gbps:.0f} GB/s per GPU (predictions; sources and errors: results/scale_model.md); "
         "per rank and step:",
         f"  {'backend':<13} {'network rows':>13} {'NVLink rows':>13} {'network GB':>11} {'NVLink GB':>10} "
-        f"{'comm s':>8} {'exposed s':>10} {'step s':>8} {'tok/s/GPU':>10} {'TFLOPS':>7} {'MFU':>6}",
+        f"{'comm s':>8} {'exposed s':>10} {'step s':>8} {'tok/s/GPU':>10} {'low-high':>13} {'TFLOPS':>7} {'MFU':>6}",
     ]
     for choice in scale_model.choices():
         name, p = choice.label, preds[choice.label]
+        lo, _, hi = ranges[name].span()
         mark = "  <- this recipe" if name == ours else ""
         if not scale_model.runnable(choice.backend, w, choice.dispatch_dtype):
             mark += f"  ({scale_model.refusal(choice.backend, w, choice.dispatch_dtype)})"
@@ -200,8 +204,12 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
             f"  {name:<13} {p.per_step('network_rows'):>13,.0f} {p.per_step('nvlink_rows'):>13,.0f} "
             f"{p.per_step('network_bytes') / 1e9:>11,.1f} {p.per_step('nvlink_bytes') / 1e9:>10,.1f} "
             f"{p.moe_comm_ms / 1e3:>8.2f} {p.comm_exposed_ms / 1e3:>10.2f} {p.step_ms / 1e3:>8.2f} "
-            f"{p.tokens_per_s_per_gpu:>10,.0f} {p.tflops_per_gpu:>7,.0f} {p.mfu:>5.1f}%{mark}"
+            f"{p.tokens_per_s_per_gpu:>10,.0f} {f'{lo:,.0f}-{hi:,.0f}':>13} {p.tflops_per_gpu:>7,.0f} "
+            f"{p.mfu:>5.1f}%{mark}"
         )
+    lines.append("  low-high: every unmeasured input at its pessimistic, then its optimistic end (network efficiency, "
+                 "B200 share of peak, routing imbalance, GPU idle, host syncs; results/scale_model.md); step time, TFLOPS "
+                 "and MFU move with tok/s")
     ok = [c.label for c in scale_model.choices() if scale_model.runnable(c.backend, w, c.dispatch_dtype)]
     best = max(ok, key=lambda b: preds[b].tokens_per_s_per_gpu)
     base = baseline().label()
@@ -209,9 +217,20 @@ def _scale_model_lines(r: recipe.Recipe, gpu: str) -> list[str]:
         f"  expected fastest on this cluster: {best} ({preds[best].tokens_per_s_per_gpu:,.0f} tok/s/GPU, "
         f"{preds[best].tokens_per_s_per_gpu / preds[base].tokens_per_s_per_gpu:.2f}x {base})"
         + ("" if best == ours else f"; this recipe runs {ours}")
+        + "".join(f"; its range meets {b}'s" for b in ok if b != best and ranges[b].overlaps(ranges[best]))
     )
     lines += _plan_lines(r, gpu, preds[ours], ours, cal)
     return lines
+
+
+def _transfers_text(w) -> str:
+    """How many transfers a MoE layer-microbatch makes, and what the AC recompute does with them."""
+    if w.comm_recomputed:
+        return "6 transfers each (TorchTitan's full AC re-runs the forward ones)"
+    if w.ac_mode != "none":
+        return ("4 transfers each (the AC recompute replays what dispatch and combine returned: no transfer, "
+                "their outputs kept, in the memory line)")
+    return "4 transfers each"
 
 
 def _model_backend(r: recipe.Recipe) -> str:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from moe_comm import recipe
 from moe_comm.errors import RecipeError
-from moe_comm.layout import flavor_args
-from moe_comm.predict import estimate
+from moe_comm.predict import estimate, scale_model
 
 # cgroup v2, then v1: a container's limit, below the host's memory
 CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
@@ -34,15 +33,10 @@ def memory_bytes() -> int:
 
 
 def memory_estimate(r: recipe.Recipe) -> estimate.MemoryEstimate:
-    """The per-rank memory estimate `check` prints (ValueError where the model does not cover
-    the layout)."""
-    c, t = r.config, r.config.training
-    return estimate.memory_per_gpu(
-        flavor_args(c), r.layout, t.local_batch_size, t.seq_len, c.activation_checkpoint.mode,
-        microbatch=c.parallelism.pipeline_parallel_microbatch_size,
-        pp_schedule=c.parallelism.pipeline_parallel_schedule,
-        layers_per_stage=c.parallelism.pipeline_parallel_layers_per_stage,
-    )
+    """The per-rank memory estimate `check` prints, as the scale model prices the recipe's backend
+    (what its recompute keeps, its CUDA graph pools; ValueError where the model does not cover the
+    layout)."""
+    return scale_model.memory(scale_model.workload_from_recipe(r), r.config.moe_comm.backend)
 
 
 def memory_problem(r: recipe.Recipe) -> str:

@@ -53,7 +53,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headroom", type=_share, default=0.15,
                         help="share of GPU memory left free (default 0.15: at most 85%% in use)")
     parser.add_argument("--explain", action="store_true",
-                        help="for each backend's best row, where its TFLOPS/GPU fall short of Megatron-Core's 944")
+                        help="for the recipe as it stands, where its TFLOPS/GPU fall short of Megatron-Bridge's on "
+                             "the same 256 B200 (3,328 tok/s/GPU), on Megatron's flop count")
 
 
 def _tokens(word: str) -> float:
@@ -119,27 +120,51 @@ def table(rows_by_backend: dict, req: planner.Request) -> list[str]:
             lines.append(f"{backend}: no feasible layout: {why}")
             continue
         lines.append(f"{backend}: {len(rows)} best feasible layout(s), predicted")
-        lines.append(f"  {'#':>2} {'tok/s/GPU':>9} {'TFLOPS':>6} {'MFU':>6} {'memory GiB':>11} {'bubble':>6} "
-                     f"{'MoE comm':>8} {'exposed':>7}  layout / overrides")
-        lines.append(f"  {'':>2} {'':>9} {'':>6} {'':>6} {'':>11} {'of step':>6} {'of step':>8} {'of it':>7}")
+        lines.append(f"  {'#':>2} {'tok/s/GPU':>9} {'low-high':>13} {'TFLOPS':>6} {'MFU':>6} {'memory GiB':>11} "
+                     f"{'bubble':>6} {'MoE comm':>8} {'exposed':>7}  layout / overrides")
+        lines.append(f"  {'':>2} {'':>9} {'':>13} {'':>6} {'':>6} {'':>11} {'of step':>6} {'of step':>8} {'of it':>7}")
         for i, row in enumerate(rows, 1):
             p, b = row.prediction, row.bounds
-            lines.append(f"  {i:>2} {p.tokens_per_s_per_gpu:>9,.0f} {p.tflops_per_gpu:>6,.0f} {p.mfu:>5.1f}% "
+            lo, _, hi = row.span
+            meets = "~" if planner.overlaps_best(row, rows[0]) else " "
+            lines.append(f"  {i:>2} {p.tokens_per_s_per_gpu:>9,.0f} {f'{lo:,.0f}-{hi:,.0f}':>12}{meets} "
+                         f"{p.tflops_per_gpu:>6,.0f} {p.mfu:>5.1f}% "
                          f"{row.memory_gib:>5.0f} / {row.memory_limit_gib:<4.0f} {b['bubble']:>6.0%} "
                          f"{b['exposed comm']:>8.0%} {p.moe_exposed_share:>7.0%}  {describe(row)}")
-            lines.append(" " * 66 + " ".join(row.overrides))  # under the layout column
+            lines.append(" " * 80 + " ".join(row.overrides))  # under the layout column
+        if any(planner.overlaps_best(row, rows[0]) for row in rows):
+            lines.append("  ~: its range meets #1's; the model cannot tell the two apart")
+    lines.append("low-high: every unmeasured input at its pessimistic, then its optimistic end (network efficiency, "
+                 "B200 share of peak, routing imbalance, GPU idle, host syncs; results/scale_model.md); step time, TFLOPS "
+                 "and MFU move with tok/s")
     return lines
 
 
-def explain(row: planner.Row) -> list[str]:
-    p = row.prediction
-    lines = [f"{row.label}: {p.tflops_per_gpu:,.0f} model TFLOPS/GPU predicted against Megatron-Core's "
-             f"{planner.MEGATRON_TFLOPS:.0f} (256 GB200, PP 8 VPP 4, EP 32, MXFP8; {planner.MEGATRON_SOURCE}), "
-             "term by term:"]
-    for term, cost in planner.shortfall(p):
+def explain(r: recipe.Recipe, req: planner.Request, cal) -> list[str]:
+    """The recipe's own layout and backend against Megatron-Bridge on the same 256 B200, on one
+    flop count (Megatron's: attention halved for the causal mask), term by term."""
+    ref = planner.MEGATRON_BRIDGE_B200
+    w = req.base
+    mc = r.config.moe_comm
+    cluster = scale_model.cluster_for(req.gpu, req.nodes, req.gpus_per_node, cal)
+    rng = scale_model.predict_range(mc.backend, w, cluster, cal, mc.dispatch_dtype)
+    p = rng.central
+    flops = planner.causal_flops_per_token(w.args, w.seq_len)
+    ours = p.tokens_per_s_per_gpu * flops / 1e12
+    theirs = ref.tokens_per_s_per_gpu * flops / 1e12
+    lo, _, hi = rng.span()
+    lines = [f"{r.path} as it stands ({scale_model.backend_class(mc.backend).label(mc.dispatch_dtype)}): "
+             f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU predicted ({lo:,.0f}-{hi:,.0f}) against {ref.name}'s "
+             f"{ref.tokens_per_s_per_gpu:,.0f} ({ref.layout}; {ref.source}). On Megatron's flop count "
+             f"({flops / 1e9:.1f} GFLOP/token at seq {w.seq_len}: attention halved for the causal mask; TorchTitan's "
+             f"MFU counts the whole matrix, {p.mfu * p.peak_tflops / 100 / p.tokens_per_s_per_gpu * 1e3:.1f}): "
+             f"{ours:,.0f} against {theirs:,.0f} TFLOPS/GPU ({ref.name} publishes {ref.tflops_per_gpu:.0f}, counting "
+             "its multi-token-prediction layer). Term by term, each term's Shapley share (its cost averaged over "
+             "every order of adding the terms, so the order below does not matter):"]
+    for term, cost in planner.shortfall(p, flops, ref.tokens_per_s_per_gpu):
         lines.append(f"  {cost:>+8,.0f} TFLOPS  {term}")
-    lines.append(f"  (= {planner.MEGATRON_TFLOPS - p.tflops_per_gpu:+,.0f}; Megatron's GB200 peak is 2.5 PFLOPS "
-                 f"bf16 against the B200's {p.peak_tflops / 1e3:.2f}, and it runs MXFP8 GEMMs)")
+    lines.append(f"  (= {theirs - ours:+,.0f})")
+    lines.append(f"What differs from {ref.name}'s run: " + "; ".join(planner.differences(w, ref)) + ".")
     return lines
 
 
@@ -169,7 +194,5 @@ def main(args: argparse.Namespace) -> int:
     for line in table(rows, req):
         print(line)
     if args.explain:
-        for backend_rows in rows.values():
-            if backend_rows:
-                print("\n".join(explain(backend_rows[0])))
+        print("\n".join(explain(r, req, calibration.calibrate())))
     return 0

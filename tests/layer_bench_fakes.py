@@ -7,19 +7,26 @@ import json
 import tempfile
 from pathlib import Path
 
-from moe_comm.predict import layer_compute
+from moe_comm.predict import documents, layer_compute
 from moe_comm.predict.calibration import Calibration, OpCost
 from moe_comm.predict.routing_plan import routing_statistics
 
+DOCS = ("docs512", "c4_en", "nltk_en")  # the block-causal kernels' document variants
 NAMES = ["rmsnorm", "residual_add", "router", "embedding", "shared_expert", "dense_ffn", "output_loss",
          "attention.module.flex", "attention.core.flex", "attention.module.sdpa", "attention.core.sdpa",
-         *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled") for r in ("balanced", "node_limited")]]
+         "attention.module.varlen", "attention.core.varlen",
+         *[f"attention.core.{k}.{d}" for k in ("flex", "varlen") for d in DOCS],
+         *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled", "moe_comm_fp8", "moe_comm_fp8_bf16_wgrad")
+           for r in ("balanced", "node_limited")]]
 # made-up (fwd ms, bwd ms, recompute ms) per part: distinct so a wrong pick shows
 TIMES = {n: (1.0 + i, 2.0 * (1.0 + i), 1.5 + i) for i, n in enumerate(NAMES)}
-for impl in ("flex", "sdpa"):  # the module holds its kernel: 5 ms more forward, 9 backward, 4 recompute
+for impl in ("flex", "sdpa", "varlen"):  # the module holds its kernel: 5 ms more forward, 9 backward, 4 recompute
     core = TIMES[f"attention.core.{impl}"]
     TIMES[f"attention.module.{impl}"] = (core[0] + 5.0, core[1] + 9.0, core[2] + 4.0)
 CEILINGS = {"bf16_gemm": {"tflops": 700.0}, "fp8_rowwise_gemm": {"tflops": 1100.0}, "copy": {"tbs": 4.2}}
+# the FP8 experts' steps by kind (experiments/layer_bench.py FP8_STEP_KINDS): a quarter of the
+# time quantisation (memory-bound), the rest GEMMs
+FP8_KINDS = {"quantise": 1.0, "gemm_fwd": 1.0, "gemm_dgrad": 1.0, "wgrad_operands": 0.0, "gemm_wgrad": 1.0}
 
 
 def _case(name, seq, tp, routing):
@@ -32,17 +39,38 @@ def _case(name, seq, tp, routing):
             "tokens": seq, "tokens_sp": tokens_sp, "received_rows": rows}
 
 
-def _part(case, name, t, status="ok"):
-    return {"case": case, "name": name, "status": status,
-            "ms": {"fwd": {"median": t[0]}, "bwd": {"median": t[1]}, "recompute": t[2]}}
+def kept_pairs(seq: int, docs: str | None) -> float:
+    """The (query, key) pairs the bench's attention kernel keeps in its one sequence of `seq`
+    tokens: one document, 512-token ones, or a distribution packed as TorchTitan packs it (seed 0),
+    as experiments/layer_bench.py draws them."""
+    if docs is None:
+        return seq * (seq + 1) / 2
+    if docs == "docs512":
+        return seq // 512 * 512 * 513 / 2
+    dist = documents.C4_EN if docs == "c4_en" else documents.load_measured()[docs]
+    return documents.kept_pairs(documents.packed(dist, 1, seq, seed=0)[0])
 
 
-def write_bench(path: Path, skip: tuple = ()) -> layer_compute.LayerBench:
+def _part(case, name, t, status="ok", seq=4096, heads=128):
+    p = {"case": case, "name": name, "status": status,
+         "ms": {"fwd": {"median": t[0]}, "bwd": {"median": t[1]}, "recompute": t[2]}}
+    if name.startswith("attention.core."):  # its flop count names its documents (2 x heads x pairs x 320)
+        docs = name.split(".")[3] if name.count(".") == 3 else None
+        p["flops"] = {"fwd": 2 * heads * kept_pairs(seq, docs) * 320}
+    if ".moe_comm_fp8" in name:
+        p["breakdown"] = {"kinds_ms": FP8_KINDS}
+    return p
+
+
+def write_bench(path: Path, skip: tuple = (), cases: tuple = ("flagship", "nebius")) -> layer_compute.LayerBench:
     """The made-up benchmark at `path` (the Nebius case's parts 3x the flagship's); parts named in
-    `skip` are recorded as not run, as a device run that ran out of time leaves them."""
-    cases = {"flagship": _case("flagship", 4096, 1, "node_limited"), "nebius": _case("nebius", 8192, 2, "balanced")}
-    parts = [_part(c, n, (t[0] * k, t[1] * k, t[2] * k), "not run" if n in skip else "ok")
-             for c, k in (("flagship", 1.0), ("nebius", 3.0)) for n, t in TIMES.items()]
+    `skip` are recorded as not run, as a device run that ran out of time leaves them; `cases`: the
+    cases it ran (the flagship's alone, as the device run of issue 34 did)."""
+    shapes = {"flagship": (4096, 1, "node_limited", 1.0), "nebius": (8192, 2, "balanced", 3.0)}
+    cases = {c: _case(c, *shapes[c][:3]) for c in cases}
+    parts = [_part(c, n, (t[0] * shapes[c][3], t[1] * shapes[c][3], t[2] * shapes[c][3]),
+                   "not run" if n in skip else "ok", shapes[c][0], 128 // shapes[c][1])
+             for c in cases for n, t in TIMES.items()]
     doc = {"schema": layer_compute.SCHEMA, "settings": {"tiny": False}, "machine": {"device": "NVIDIA H200"},
            "peaks": {"measured": CEILINGS}, "cases": cases, "parts": parts}
     path.write_text(json.dumps(doc))

@@ -112,3 +112,25 @@ def test_the_benchmark_takes_its_variants_and_labels_its_results():
                            "link_source": "given", "rows": [row], "command": "python experiments/emulated_link.py"})
     assert text.startswith("# MoE overlap over an EMULATED network link, one GPU")
     assert "Not a network" in text and "| chunked | emulated | 410.0 | 400.0 | 30.0 | 10.0 | 11.0 | +10.0% | True |" in text
+
+
+def test_the_benchmark_asks_the_scale_model_for_the_same_inputs():
+    """experiments/emulated_link.py's two calls into moe_comm.predict: the flagship rank's transfers
+    it emulates, and the model's step for the one-GPU run with each transfer's network time set to
+    the link's hold (the hold replaces what the network would take, the rest is the model's)."""
+    import importlib.util
+    import sys as _sys
+
+    from moe_comm.predict.assumptions import REPO
+
+    spec = importlib.util.spec_from_file_location("emulated_link_bench", REPO / "experiments" / "emulated_link.py")
+    bench = importlib.util.module_from_spec(spec)
+    _sys.modules["emulated_link_bench"] = bench
+    spec.loader.exec_module(bench)
+    transfers = bench.flagship_transfers("recipes/deepseek_v3_671b_b200.toml", "B200")
+    assert transfers["dispatch"]["network_bytes"] > 0 and transfers["dispatch"]["backend"] == "nvshmem"
+    slow = emulated_link.parse("dispatch_us=5000,combine_us=5000,tokens=8192")
+    fast = emulated_link.parse("dispatch_us=50,combine_us=50,tokens=8192")
+    p_slow, p_fast = (bench.model_prediction("recipes/deepseek_v3_671b_h200x1.toml", [], link) for link in (slow, fast))
+    assert p_slow["moe_comm_exposed_ms"] > p_fast["moe_comm_exposed_ms"] > 0
+    assert p_slow["step_ms"] > p_fast["step_ms"]

@@ -125,6 +125,11 @@ def test_check_cli_on_flagship(capsys, monkeypatch):
         assert f"\n  {backend} " in out
     assert "network rows" in out and "NVLink GB" in out and "MFU" in out
     assert "<- this recipe" in out and "expected fastest on this cluster:" in out
+    # every figure with its range; the recompute replays the comm (issue 37 item 1) and keeps its tensors
+    assert "low-high" in out and "low-high: every unmeasured input at its pessimistic" in out
+    assert "4 transfers each (the AC recompute replays what dispatch and combine returned" in out
+    assert "6 transfers" not in out and "what the recompute keeps of dispatch and combine" in out
+    assert "the MoE calls' CUDA graph pools" in out  # nvshmem replays each MoE call from a graph
 
 
 def test_check_cli_on_the_one_gpu_recipe(capsys, monkeypatch):
@@ -149,9 +154,9 @@ def test_check_cli_on_flagship_with_nvshmem_prints_its_buffers(capsys, monkeypat
     monkeypatch.chdir(REPO)
     assert main(["check", "recipes/deepseek_v3_671b_b200.toml", "--skip-files", "--moe_comm.backend", "nvshmem"]) == 0
     out = capsys.readouterr().out
-    # EP 32 = 4 nodes of 8; 1 x 4096 tokens per microbatch; buffers at 2x the expected load
+    # EP 32 = 4 nodes of 8; 1 x 4096 tokens per microbatch; buffers at 1.25x the expected load
     assert "nvshmem     4 node(s) x 8 per EP group, 4096 tokens per call" in out
-    assert "12,288 net slots, 12,288 send slots" in out and "symmetric heap" in out
+    assert "recv_capacity_factor 1.25" in out and "symmetric heap" in out
     assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from layer_bench_fakes import CEILINGS, TIMES, hand_calibration, write_bench
-from moe_comm.predict import calibration, layer_compute, scale_model
+from layer_bench_fakes import CEILINGS, FP8_KINDS, TIMES, hand_calibration, kept_pairs, write_bench
+from moe_comm.predict import calibration, documents, layer_compute, scale_model
 from moe_comm.predict.assumptions import VALIDATION
+from moe_comm.predict.routing_plan import routing_statistics
 
 
 @pytest.fixture(scope="module")
@@ -21,12 +22,17 @@ def bench(tmp_path_factory):
     return write_bench(tmp_path_factory.mktemp("lc") / "layer_bench.json")
 
 
-def _workload(tp=1, pp=8, seq=4096, microbatch=1, ac="none", converters=(), routing="node_limited"):
+def _workload(tp=1, pp=8, seq=4096, microbatch=1, ac="none", converters=(), routing="node_limited", docs=None,
+              **fields):
+    """The 671B flavor at a layout; its attention over one document per sequence unless `docs`
+    names the dataset's documents (c4_en, nltk_en)."""
     spec = {"gpu": "B200", "nodes": 32, "gpus_per_node": 8,
             "workload": {"flavor": "671B", "tp": tp, "pp": pp, "ep": 32, "local_batch": 8 * microbatch,
                          "seq_len": seq, "microbatch": microbatch, "ac_mode": ac, "routing": routing,
                          "converters": list(converters)}}
-    return scale_model.workload_from_spec(spec)[0]
+    w = scale_model.workload_from_spec(spec)[0]
+    dist = {None: None, "c4_en": documents.C4_EN}.get(docs) or (docs and documents.load_measured()[docs])
+    return replace(w, documents=dist, **fields)
 
 
 def _f(name):  # fwd + bwd of a part at the flagship case
@@ -37,8 +43,8 @@ def _f(name):  # fwd + bwd of a part at the flagship case
 FIRST = dict(layers=tuple(range(8)), embedding=True, output=False)
 
 
-def _rank(bench, w, gpu="H200", layers=FIRST["layers"], embedding=True, output=False):
-    return layer_compute.rank_ms(bench, w, gpu, layers, embedding, output)
+def _rank(bench, w, gpu="H200", layers=FIRST["layers"], embedding=True, output=False, **kw):
+    return layer_compute.rank_ms(bench, w, gpu, layers, embedding, output, **kw)
 
 
 def test_at_the_measured_shape_the_parts_add_up(bench):
@@ -70,9 +76,14 @@ def test_other_gpus_scale_by_datasheet_peaks(bench):
     assert b.parts["attention.core"] == pytest.approx(h.parts["attention.core"] * 989 / 2250)  # bf16 dense
     # float8 experts: the compiled part, as the float8 recipes run them
     assert h.parts["experts"] == pytest.approx(5 * _f("experts.fp8.compiled.node_limited"))
-    # MXFP8 is not that kernel: the bf16 part x the measured dense ceiling ratio, at the FP8 rate
-    ratio = CEILINGS["bf16_gemm"]["tflops"] / CEILINGS["fp8_rowwise_gemm"]["tflops"]
-    assert b.parts["experts"] == pytest.approx(5 * _f("experts.bf16.node_limited") * ratio * 1979 / 4500)
+    # MXFP8 is not that kernel: this project's FP8 experts measured on the H200, their GEMM steps at
+    # the 8-bit peak ratio and their quantisation steps (a quarter, FP8_KINDS) at the HBM ratio, plus
+    # the rows' quantisation (read bf16, write e4m3) at the measured copy rate scaled to the B200
+    q = FP8_KINDS["quantise"] / sum(FP8_KINDS.values())
+    scale = (1 - q) * 1979 / 4500 + q * 4.8 / 8.0
+    rows = routing_statistics("node_limited", 32, 8, 256, 8).max["expert_rows"] * 4096
+    quantise = rows * 7168 * 3 / (4.2e12 * 8.0 / 4.8) * 1e3
+    assert b.parts["experts"] == pytest.approx(5 * (_f("experts.moe_comm_fp8.node_limited") * scale + quantise))
     assert any("MXFP8" in n for n in b.notes)
     fp8_linear = _rank(bench, _workload(converters=("quantize.linear.float8",)))
     bf16 = _rank(bench, _workload())
@@ -117,7 +128,8 @@ def test_float8_without_its_compiled_part_takes_the_measured_ceiling_ratio(tmp_p
     """The device run measured the eager float8 grouped GEMM but not the compiled one the float8
     recipes run: the bf16 part x bf16 / fp8 ceilings stands in (never the eager figure), and the
     notes say so; on a B200, MXFP8 takes the same rule at the 8-bit peak ratio."""
-    lacking = write_bench(tmp_path / "lb.json", skip=("experts.fp8.compiled.balanced", "experts.fp8.compiled.node_limited"))
+    lacking = write_bench(tmp_path / "lb.json", skip=tuple(f"experts.{d}.{r}" for d in ("fp8.compiled", "moe_comm_fp8")
+                                                        for r in ("balanced", "node_limited")))
     h = _rank(lacking, _workload(converters=("quantize.grouped_mm.float8",)))
     bf16 = _rank(lacking, _workload())
     ratio = CEILINGS["bf16_gemm"]["tflops"] / CEILINGS["fp8_rowwise_gemm"]["tflops"]
@@ -127,6 +139,7 @@ def test_float8_without_its_compiled_part_takes_the_measured_ceiling_ratio(tmp_p
     b = _rank(lacking, _workload(converters=("quantize.grouped_mm.mx",)), "B200")
     assert b.parts["experts"] == pytest.approx(bf16.parts["experts"] * ratio * 1979 / 4500)
     assert layer_compute.MXFP8_ASSUMPTION.name in b.notes
+    assert layer_compute.FP8_EXPERTS_NOTE.format(case="flagship") in b.notes
 
 
 def test_what_was_not_run_stands_in_and_is_said(tmp_path):
@@ -227,20 +240,105 @@ def test_calibration_loads_the_recorded_bench_and_needs_it(bench, monkeypatch, t
 
 
 def test_the_recorded_bench_prices_the_flagship_from_measured_parts():
-    """results/model_inputs/layer_bench_h200x1.json as recorded on the device (runs 14 and 15): every part ran,
-    FlexAttention and the compiled float8 grouped GEMM included, so the flagship's prediction
-    needs no stand-in; the MXFP8 recipe's grouped GEMM is still the stated assumption."""
+    """results/model_inputs/layer_bench_h200x1.json as recorded on the device: every part the
+    flagship's pricing looks for ran at its case - FlexAttention and variable-length attention at
+    c4's documents, this project's FP8 experts - so its prediction needs no stand-in; the MXFP8
+    recipe's grouped GEMM is the stated rule."""
     from moe_comm import recipe
 
     bench = layer_compute.load()
-    for part in ("attention.core.flex", "attention.module.flex", "experts.fp8.compiled.node_limited"):
-        assert bench.part("flagship", part) and bench.part("nebius", part), part
+    for part in ("attention.core.flex", "attention.module.flex", "attention.core.flex.c4_en",
+                 "attention.core.varlen.c4_en", "experts.moe_comm_fp8.node_limited"):
+        assert bench.part("flagship", part), part
     cal = calibration.calibrate()
     for path, says, never in (("recipes/deepseek_v3_671b_b200.toml", (), ("not measured", "MXFP8")),
                               ("recipes/deepseek_v3_671b_b200_mxfp8.toml", ("not measured there: B200 runs MXFP8",),
-                               ("flex", "float8 grouped GEMM"))):
+                               ("flex", "varlen", "float8 grouped GEMM", "FP8 experts (experts.moe_comm_fp8) not"))):
         r = recipe.load(path, [], device="cuda", check_paths=False)
         w = scale_model.workload_from_recipe(r)
+        assert w.documents is documents.C4_EN  # the recipes train on c4
         p = scale_model.predict("nvshmem", w, scale_model.cluster_for("B200", 32, 8, cal), cal)
         assert all(x in p.compute_source for x in says) and not any(x in p.compute_source for x in never), \
             p.compute_source
+
+
+# --- attention as the data has it, the router, the GPU's share of peak, imbalance, FP8 experts ---
+
+
+def _core(c):
+    return c.parts["attention.core"]
+
+
+def test_block_causal_attention_is_priced_at_the_datasets_documents(bench):
+    """The 671B flavor's block-causal FlexAttention over c4's documents: the kernel measured at c4's
+    lengths, scaled by the pairs a packed sequence keeps on average over the one the bench ran."""
+    one = _rank(bench, _workload())
+    c4 = _rank(bench, _workload(docs="c4_en"))
+    pairs = layer_compute.kept_pairs_per_sequence(documents.C4_EN, 4096)
+    assert pairs < 0.25 * 4096 * 4097 / 2  # documents of ~430 tokens keep about a fifth of the causal pairs
+    expect = 8 * _f("attention.core.flex.c4_en") * pairs / kept_pairs(4096, "c4_en")
+    assert _core(c4) == pytest.approx(expect)
+    assert _core(one) == pytest.approx(8 * _f("attention.core.flex"))  # a causal flavor: one document
+    # a varlen flavor runs (and is priced at) the variable-length kernel
+    varlen = _rank(bench, _workload(docs="c4_en", args=replace(_workload().args, attn_type="varlen")))
+    assert _core(varlen) == pytest.approx(8 * _f("attention.core.varlen.c4_en") * pairs / kept_pairs(4096, "c4_en"))
+    assert varlen.parts["attention.projections"] == pytest.approx(
+        8 * (_f("attention.module.varlen") - _f("attention.core.varlen")))
+    # the staged real text: its own measured part
+    real = _rank(bench, _workload(docs="nltk_en"))
+    dist = documents.load_measured()["nltk_en"]
+    assert _core(real) == pytest.approx(8 * _f("attention.core.flex.nltk_en")
+                                        * layer_compute.kept_pairs_per_sequence(dist, 4096) / kept_pairs(4096, "nltk_en"))
+
+
+def test_documents_not_measured_take_the_nearest_part_by_kept_pairs(tmp_path):
+    """c4's part did not run: the 512-token documents' part stands in, by kept pairs x heads, and
+    the notes say so; the Nebius shape, whose case did not run at all, takes the flagship's part by
+    the same rule (TP 2: half the heads; seq 8192: its own packing)."""
+    no_c4 = write_bench(tmp_path / "a.json", skip=("attention.core.flex.c4_en",))
+    c = _rank(no_c4, _workload(docs="c4_en"))
+    pairs = layer_compute.kept_pairs_per_sequence(documents.C4_EN, 4096)
+    assert _core(c) == pytest.approx(8 * _f("attention.core.flex.docs512") * pairs / kept_pairs(4096, "docs512"))
+    assert any("flex at c4_en not measured" in n and "docs512" in n for n in c.notes)
+    flagship_only = write_bench(tmp_path / "b.json", cases=("flagship",))
+    neb = _rank(flagship_only, _workload(tp=2, pp=2, seq=8192, routing="balanced", docs="c4_en"), layers=(10,))
+    expect = _f("attention.core.flex.c4_en") * (layer_compute.kept_pairs_per_sequence(documents.C4_EN, 8192) * 64) / (
+        kept_pairs(4096, "c4_en") * 128)
+    assert _core(neb) == pytest.approx(expect)
+    assert any("TP 2 not measured" in n for n in neb.notes)
+
+
+def test_the_router_is_launch_bound(bench):
+    """Measured taking about as long at 8192 tokens as at 4096, the router's time is its measured
+    time on any GPU (no HBM ratio, no peak share) up to the measured tokens, and grows beyond them."""
+    h = _rank(bench, _workload())
+    b = _rank(bench, _workload(), "B200")
+    assert b.parts["router"] == pytest.approx(h.parts["router"]) == pytest.approx(5 * _f("router"))
+    assert _rank(bench, _workload(), "B200", peak_share=0.5).parts["router"] == pytest.approx(b.parts["router"])
+    two = _rank(bench, _workload(microbatch=2), "B200")
+    assert two.parts["router"] == pytest.approx(2 * b.parts["router"])
+
+
+def test_another_gpus_share_of_peak_scales_every_part_but_the_router(bench):
+    b = _rank(bench, _workload(), "B200")
+    low = _rank(bench, _workload(), "B200", peak_share=0.85)
+    for part in ("rmsnorm", "attention.core", "experts", "shared_expert", "embedding"):
+        assert low.parts[part] == pytest.approx(b.parts[part] / 0.85), part
+    same = _rank(bench, _workload(), "H200", peak_share=0.85)  # the measured GPU is what it measured
+    assert same.parts["experts"] == pytest.approx(_rank(bench, _workload()).parts["experts"])
+
+
+def test_the_busiest_rank_factor_scales_the_experts(bench):
+    st = routing_statistics("node_limited", 32, 8, 256, 8)
+    drawn = _rank(bench, _workload())
+    skewed = _rank(bench, _workload(), imbalance=1.3)
+    assert skewed.parts["experts"] == pytest.approx(drawn.parts["experts"] * 1.3 * st.mean["expert_rows"]
+                                                    / st.max["expert_rows"])
+    assert skewed.parts["shared_expert"] == pytest.approx(drawn.parts["shared_expert"])
+
+
+def test_fp8_experts_on_hopper_are_their_measured_part(bench):
+    """[moe_comm] expert_dtype = "fp8" on an H200: this project's FP8 experts as measured (the
+    rows arrive in e4m3: nothing to add)."""
+    c = _rank(bench, _workload(expert_dtype="fp8"))
+    assert c.parts["experts"] == pytest.approx(5 * _f("experts.moe_comm_fp8.node_limited"))

@@ -10,8 +10,7 @@ import textwrap
 from pathlib import Path
 
 from moe_comm import recipe
-from moe_comm.layout import flavor_args
-from moe_comm.predict import estimate
+from moe_comm.predict import estimate, scale_model
 from moe_comm.metrics import keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +42,7 @@ FAKE_TRAIN = textwrap.dedent(
 def _estimate(mode: str, batch: int) -> estimate.MemoryEstimate:
     ov = ["--activation_checkpoint.mode", mode, "--training.local_batch_size", str(batch)]
     r = recipe.load(str(REPO / RECIPE), ov, device="cuda", gpu="H200", check_paths=False)
-    c = r.config
-    return estimate.memory_per_gpu(flavor_args(c), r.layout, batch, c.training.seq_len, mode)
+    return scale_model.memory(scale_model.workload_from_recipe(r), "nccl")  # the runs' backend
 
 
 def test_runs_compare_measured_peaks_with_the_estimate(tmp_path):

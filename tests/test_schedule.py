@@ -184,3 +184,63 @@ def test_stage_layers_follow_torchtitans_split():
         theirs = generate_llm_fqn_per_model_part(stages, 61, 1, 1)
         ours = schedule.stage_layers(61, stages)
         assert [[f"layers.{i}" for i in s] for s in ours] == [[n for n in t if n.startswith("layers.")] for t in theirs]
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (8, 32, 4), (8, 16, 2), (8, 32, 2), (2, 64, 2),
+                                    (8, 8, 4), (4, 6, 2)])
+def test_microbatch_overlap_pairs_and_bubble_follow_its_action_lists(pp, m, v):
+    """[moe_comm] overlap = "microbatch" (moe_comm.titan.pipeline.overlapped_order on torch's
+    Interleaved1F1B): the pairs each rank runs overlapped are Pipeline.microbatch_pairs'; its one
+    more warmup forward holds one more microbatch-stage and leaves the bubble Interleaved1F1B's;
+    with each pair shorter (the hidden comm), the busiest rank's work plus the bubble at its
+    averaged f, bi, bw is the replayed step within 2%."""
+    from moe_comm.titan.pipeline import overlapped_order
+
+    sched = torch_schedule("Interleaved1F1B", pp, m, v)
+    plain = replay(sched, pp * v, v, m, 1.0, 2.0, 1.0)
+    sched.pipeline_order = overlapped_order(sched.pipeline_order)
+    pipe = Pipeline("Interleaved1F1B", pp, m, v)
+    pairs = [sum(a.computation_type == S.OVERLAP_F_B for a in sched.pipeline_order[r]) for r in range(pp)]
+    assert [pipe.microbatch_pairs(r) for r in range(pp)] == pairs
+    length, work, peak = replay(sched, pp * v, v, m, 1.0, 2.0, 1.0)
+    assert length - work == pytest.approx(plain[0] - plain[1])
+    assert all(peak[r] == min(m * v, pipe.chunks_held(r) + 1) for r in range(pp))
+    save = 0.4  # of one pair's (f + b) / v
+    f, bi, bw = 1.0, 2.0, 1.0
+    order = {r: [a for a in acts if a is not None] for r, acts in sched.pipeline_order.items()}
+    shortened = _replay_shortened(order, pp * v, v, f, bi, bw, save * (f + bi + bw) / v)
+    busiest = max(range(pp), key=lambda r: -pairs[r])
+    k = 1 - pairs[busiest] * save / (m * v)
+    model = m * (f + bi + bw) * k + pipe.bubble(f * k, bi * k, bw * k)
+    assert model == pytest.approx(shortened, rel=0.02)
+
+
+def _replay_shortened(order, num_stages, v, f, bi, bw, save):
+    """The step length of action lists with full backwards and overlapped pairs, each pair `save`
+    shorter than its two actions."""
+    F, B, O = S.FORWARD, S.FULL_BACKWARD, S.OVERLAP_F_B
+    dur = {F: f / v, B: (bi + bw) / v}
+    done, clock, pos = {}, defaultdict(float), defaultdict(int)
+    while any(pos[r] < len(order[r]) for r in order):
+        moved = False
+        for r, acts in order.items():
+            if pos[r] == len(acts):
+                continue
+            a = acts[pos[r]]
+            parts = a.sub_actions if a.computation_type == O else (a,)
+            need = []
+            for p in parts:
+                s, mb = p.stage_index, p.microbatch_index
+                if p.computation_type == F:
+                    need += [] if s == 0 else [(s - 1, F, mb)]
+                else:
+                    need += [(s, F, mb)] if s == num_stages - 1 else [(s + 1, B, mb)]
+            if any(n not in done for n in need):
+                continue
+            start = max([clock[r], *(done[n] for n in need)])
+            end = start + sum(dur[p.computation_type] for p in parts) - (save if a.computation_type == O else 0.0)
+            for p in parts:
+                done[(p.stage_index, p.computation_type, p.microbatch_index)] = end
+            clock[r], pos[r], moved = end, pos[r] + 1, True
+        assert moved, "the replay deadlocked"
+    return max(clock.values())

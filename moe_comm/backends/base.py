@@ -109,12 +109,19 @@ class CostTraits:
     measured rates), or kernels on the backend's num_sms SMs: "our kernels" (this project's,
     from the comm bench) or "DeepEP kernels" (DeepEP v1.2.1's own figure)."""
     host_syncs_per_dispatch: int
-    """Host round trips a forward dispatch waits for (split sizes, received counts), each at the
-    all-to-all path's measured cost per call."""
+    """Host round trips a forward dispatch waits for (split sizes, received counts), as its code
+    makes them. Where `host_syncs_case` has no measurement, the model prices a dispatch that makes
+    any at the all-to-all path's measured cost per call, within one kernel launch per round trip
+    and that cost per round trip (moe_comm.predict.scale_model.host_us)."""
     layout: str
     """Whose permute to and from the experts' expert-major rows it runs, at its measured cost:
     "TorchTitan" (_permute / _unpermute), "TorchTitan DeepEP" (its DeepEP path's permute) or
     "our kernels" (expand / reduce)."""
+    host_syncs_case: str = ""
+    """The case of experiments/host_syncs.py that measures its host synchronisations per dispatch,
+    combine and their backwards, and what each costs (results/model_inputs); the model prices
+    those where the file has the case. "NCCL" transports' per-call cost is measured whole (the
+    comm bench's round trips), so theirs is for the record."""
 
 
 @dataclass

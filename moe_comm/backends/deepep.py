@@ -77,10 +77,12 @@ class DeepEPBackend(CommBackend):
     sends_once_per_rank = True
     IDENTITY_OPTIONS = ("num_sms",)
     color = "#2ca02c"
-    # TorchTitan's DeepEP path waits on the host for the received counts
-    # (torchtitan/distributed/deepep/deepep.py), priced as the standard path's host round trip per call
-    costs = CostTraits(hierarchical=True, transport="DeepEP kernels", host_syncs_per_dispatch=1,
-                       layout="TorchTitan DeepEP")
+    # TorchTitan 0.2.2's DeepEP path waits on the host about five times per forward dispatch
+    # (torchtitan/distributed/deepep/deepep.py: DeepEP's CPU wait for the received counts, two mask
+    # gathers, repeat_interleave, a blocking copy); experiments/host_syncs.py's deepep_2pe case
+    # measures how often and at what cost
+    costs = CostTraits(hierarchical=True, transport="DeepEP kernels", host_syncs_per_dispatch=5,
+                       layout="TorchTitan DeepEP", host_syncs_case="deepep_2pe")
 
     @classmethod
     def check_run(cls, run: RunPlan) -> list[str]:

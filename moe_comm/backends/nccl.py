@@ -43,7 +43,8 @@ class NcclBackend(CommBackend):
     overlap = ("none", "chunked", "microbatch")
     baseline = True  # TorchTitan's own path: what the others are measured against
     color = "#1f77b4"
-    costs = CostTraits(hierarchical=False, transport="NCCL", host_syncs_per_dispatch=1, layout="TorchTitan")
+    costs = CostTraits(hierarchical=False, transport="NCCL", host_syncs_per_dispatch=1, layout="TorchTitan",
+                       host_syncs_case="nccl_ep1")
 
     @classmethod
     def ignored_options(cls, run: RunPlan) -> dict[str, str]:

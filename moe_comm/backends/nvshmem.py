@@ -68,7 +68,8 @@ class NvshmemBackend(CommBackend):
     IDENTITY_OPTIONS = ("num_sms", "dispatch_dtype", "virtual_node_size", "network_sms")
     symmetric_heap = True
     color = "#d62728"
-    costs = CostTraits(hierarchical=True, transport="our kernels", host_syncs_per_dispatch=0, layout="our kernels")
+    costs = CostTraits(hierarchical=True, transport="our kernels", host_syncs_per_dispatch=0, layout="our kernels",
+                       host_syncs_case="nvshmem_ep1")
     # What the kernels run (csrc/common/limits.h, read by moe_comm.kernels.limits).
     max_ranks = LIMITS.max_ranks  # ranks in one EP group
     max_ranks_per_node = LIMITS.max_ranks_per_node  # EP ranks per (virtual) node

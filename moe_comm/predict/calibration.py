@@ -17,20 +17,34 @@ them). The fits, and which measured figures they use (the validation table marks
     benchmark (moe_comm.predict.layer_compute.BENCH), which must be
     there; only the GPU's idle share comes from a profile (TorchTitan's step-10 profile of the
     671B-shaped layers on 2xH200), as the benchmark times parts, not the gaps between them;
+  * host synchronisations (experiments/host_syncs.py, one H200): per backend and per dispatch,
+    combine and their backwards, how many and what the GPU loses to each call that makes them
+    (`HostSync`); a backend whose case was not measured keeps its class's stated count at the
+    all-to-all path's per-call cost;
+  * the busiest EP rank's routed load over the mean (experiments/routing_imbalance.py, from a
+    training run's per-expert counts): its median and p90 per EP degree (`Imbalance`);
   * nothing is fitted to a public anchor (issue 24): the anchors are read only for the
     validation table. No B200 was measured here, so B200 (and H100) parts run at the H200's
     measured share of their own peak, an assumption listed with the others.
+
+The inputs no measurement here fixes carry a range (`Calibration.inputs`, one `Inputs` per
+scenario of assumptions.SCENARIOS): the network's achieved share of line rate and the B200's
+share of peak (read figures, assumptions.READ), the busiest-rank factor (the measured median,
+and its p90 against the drawn routing's own), the GPU's idle share (the profiles' range) and the
+host synchronisations' cost (each measured call's bounds).
 """
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from moe_comm.backends import backend_class, names
 from moe_comm.backends.nccl import NcclBackend
 from moe_comm.backends.nvshmem import NvshmemBackend
 from moe_comm.predict import layer_compute
-from moe_comm.predict.assumptions import MODEL_INPUTS, READ, REPO, Assumption
+from moe_comm.predict.assumptions import MODEL_INPUTS, READ, REPO, SCENARIOS, Assumption, Inputs
 from moe_comm.predict.routing_plan import routing_statistics, row_bytes
 
 COMM_BENCH = "comm_bench_h200x2.json"
@@ -41,6 +55,11 @@ OUR_KERNELS_ROWS, ALL_TO_ALL_ROWS = NvshmemBackend.name, NcclBackend.name
 CALIBRATION_SMS = (20, 64)
 # The profiled training run that calibrates the GPU's idle share (current kernels), by sweep and run name.
 CALIBRATION_RUN = ("split_kernels", "deepseek_v3_671b_layers_h200x2-nvshmem-b4-s4096")
+# The measured inputs found by their schema (experiments/host_syncs.py, experiments/routing_imbalance.py).
+HOST_SYNCS_SCHEMA, IMBALANCE_SCHEMA = "host_syncs/1", "routing_imbalance/1"
+# experiments/host_syncs.py's phases, by the transfer of moe_comm.predict.scale_model they are.
+HOST_SYNC_PHASES = {"dispatch": "dispatch.fwd", "combine": "combine.fwd", "combine backward": "combine.bwd",
+                    "dispatch backward": "dispatch.bwd"}
 BENCH_TOKENS, BENCH_TOP_K, BENCH_EXPERTS, BENCH_HIDDEN = 4096, 8, 256, 7168
 
 
@@ -70,6 +89,54 @@ class Calibration:
     # memory-bound time of the step model (None only in hand-made calibrations of the tests)
     layer_bench: layer_compute.LayerBench | None = None
     assumptions: list = field(default_factory=list)
+    # host synchronisations by experiments/host_syncs.py case, then transfer name
+    host_syncs: dict = field(default_factory=dict)
+    imbalance: "Imbalance | None" = None
+    # the unmeasured inputs at each scenario (assumptions.SCENARIOS); empty: the central values
+    # the fields above and assumptions.READ give
+    inputs: dict = field(default_factory=dict)
+
+    def scenario(self, name: str = "central") -> Inputs:
+        """The inputs a prediction is made at: "low", "central" or "high" (assumptions.Inputs)."""
+        if name in self.inputs:
+            return self.inputs[name]
+        if name != "central":
+            raise ValueError(f"scenario {name!r}: this calibration has {sorted(self.inputs) or ['central']}")
+        return Inputs(READ["network_efficiency"].value, 1.0, "median", self.idle_ratio, "central")
+
+
+@dataclass(frozen=True)
+class HostSync:
+    """One call's host synchronisations (a dispatch, a combine or one of their backwards) as
+    measured: how many, and the GPU time lost to the call's host work because of them, by end of
+    its range - low: one kernel launch per synchronisation (the GPU waits at least for the next
+    launch); central: the call's host time less its waits (once it has synchronised, everything
+    its host does is time the GPU sits idle: the queue is empty); high: the call's whole host
+    time."""
+
+    count: float
+    cost_us: dict  # "low" / "central" / "high" -> us per call
+
+
+@dataclass(frozen=True)
+class Imbalance:
+    """The busiest EP rank's routed rows over the mean rank's, measured per EP degree
+    (experiments/routing_imbalance.py): {ep: {"median": x, "p90": y, ...}}, and its file."""
+
+    by_ep: dict
+    source: str
+    experts: int = 0  # the routed experts of the measured run's model
+    collapsed: str = ""  # why the measured routing is not the workloads' (then it is the pessimistic end)
+
+    def factor(self, ep: int, which: str) -> float:
+        """At an EP degree: the figure of the smallest measured EP at or above it (an upper bound:
+        fewer ranks each average more experts), else of the largest measured (a lower bound: max /
+        mean cannot fall when every rank's experts split); 1 at EP 1."""
+        if ep <= 1:
+            return 1.0
+        eps = sorted(self.by_ep)
+        at = next((e for e in eps if e >= ep), eps[-1])
+        return self.by_ep[at][which]
 
 
 def _one(bench: dict, **match) -> dict:
@@ -208,9 +275,6 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
                         f"{bench_src}: nccl dsv3_random and decode_random round trips"))
     A.append(Assumption("nccl path: per expert row per forward round trip (permute, unpermute)", nccl_row, "us",
                         f"{bench_src}: the same fit"))
-    A.append(Assumption("TorchTitan's DeepEP path: host sync per forward dispatch (CPU-side counts, "
-                        "torchtitan/distributed/deepep/deepep.py)",
-                        nccl_call, "us", "assumed equal to the nccl path's per-call cost (not measured)"))
 
     # the GPU's idle share, from the 671B-shaped layers' step-10 profile (the layer benchmark
     # times each part between CUDA events, not the launch gaps and host waits between them)
@@ -230,6 +294,63 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
     A.append(Assumption("nccl path: per expert row per backward round trip", nccl_bwd_row, "us",
                         f"{rel}/{_profile_file('mfu_sweep', '*-{nccl,nvshmem}-b2-s4096')}: other-kernel time "
                         "difference less the forward permutes"))
+    idle_lo, idle_hi, idle_files = _idle_range(inputs)
+    A.append(Assumption("GPU idle per busy second of compute, its range", idle_ratio, "",
+                        f"{prof_src} (central)", low=idle_lo, high=idle_hi,
+                        range_source="the lowest and highest of the step profiles in " + ", ".join(
+                            f"{rel}/{f}" for f in idle_files)))
+    host_syncs, host_assumptions = _host_syncs(inputs, rel, floor)
+    A += host_assumptions
+    for name in names():  # the host-driven backends whose case was not measured: their stated count
+        costs = backend_class(name).costs
+        if costs and costs.transport != "NCCL" and costs.host_syncs_per_dispatch and \
+                costs.host_syncs_case not in host_syncs:
+            n = costs.host_syncs_per_dispatch
+            A.append(Assumption(
+                f"host synchronisations of {name} ({costs.host_syncs_case} not measured): a forward dispatch's, as "
+                "a host-driven call of the all-to-all path costs in all", nccl_call, "us",
+                f"{n} per forward dispatch as its code makes them ({backend_class(name).__name__}'s CostTraits); "
+                "the all-to-all path's per-call cost above (not measured for it: experiments/host_syncs.py's "
+                f"{costs.host_syncs_case} case measures it)", low=n * floor, high=n * nccl_call,
+                range_source=f"low: one kernel launch (the per-kernel floor) per synchronisation; high: each of the {n} "
+                             "at the all-to-all path's per-call cost"))
+    imbalance = _imbalance(inputs, rel)
+    if imbalance and not imbalance.collapsed:
+        A.append(Assumption("busiest EP rank's routed rows over the mean rank's (the routing the recipe's run sees)",
+                            imbalance.factor(32, "median"), "x at EP 32 (median)",
+                            f"{imbalance.source}: " + "; ".join(
+                                f"EP {ep} median {v['median']:.3f}, p90 {v['p90']:.3f}"
+                                for ep, v in sorted(imbalance.by_ep.items()))
+                            + "; another EP takes the next larger measured one's, beyond the largest that one's",
+                            low=1.0, high=imbalance.factor(32, "p90"),
+                            range_source="high: the measured p90; low: the drawn routing's own busiest rank "
+                                         "(uniform scores: sampling alone)"))
+    elif imbalance:
+        A.append(Assumption("busiest EP rank's routed rows over the mean rank's: the drawn routing's (DeepSeek-V3's "
+                            "node-limited router on uniform scores), the measured one its pessimistic end", 1.0, "x",
+                            f"central: the drawn routing's own busiest rank; the measured routing ({imbalance.source}: "
+                            + "; ".join(f"EP {ep} median {v['median']:.3f}" for ep, v in sorted(imbalance.by_ep.items()))
+                            + f") is not the workloads': {imbalance.collapsed}",
+                            low=1.0, high=imbalance.factor(32, "median"),
+                            range_source="high: the measured median at the workload's EP (EP 32 shown); low: the "
+                                         "drawn routing's own"))
+    else:
+        A.append(Assumption("busiest EP rank's routed rows over the mean rank's", 1.0, "x",
+                            f"not measured yet ({rel} holds no {IMBALANCE_SCHEMA} file: experiments/"
+                            "routing_imbalance.py on a training run's [moe_comm] log_expert_counts): the drawn "
+                            "routing's own busiest rank"))
+    net, share = READ["network_efficiency"], READ["peak_share"]
+    measured_skew = "median" if imbalance else "drawn"
+    if imbalance and imbalance.collapsed:  # the measured routing bounds it from above, no more
+        measured_skew, worst_skew = "drawn", "median"
+    else:
+        worst_skew = "p90" if imbalance else "drawn"
+    scenarios = {
+        "low": Inputs(net.low, share.low, worst_skew, idle_hi, "high"),
+        "central": Inputs(net.value, share.value, measured_skew, idle_ratio, "central"),
+        "high": Inputs(net.high, share.high, "drawn", idle_lo, "low"),
+    }
+    assert tuple(scenarios) == SCENARIOS
     if not layer_compute.BENCH.is_file():
         raise FileNotFoundError(f"{layer_compute.BENCH}: the layer benchmark the step model prices compute from is "
                                 "missing; run experiments/layer_bench.py run on one GPU (see its entry in "
@@ -240,6 +361,98 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
         layer_bench=bench, p2p_gbps=p2p, nvlink_copy_efficiency=copy_eff, kernel_floor_us=floor, ops=ops, deepep_ops=deepep_ops,
         expand=layout["expand"], reduce=layout["reduce"], layout_hbm_efficiency=layout_eff,
         nccl_call_us=nccl_call, nccl_row_us=nccl_row, nccl_backward_row_us=nccl_bwd_row, idle_ratio=idle_ratio,
-        assumptions=A,
+        assumptions=A, host_syncs=host_syncs, imbalance=imbalance, inputs=scenarios,
     )
     return cal
+
+
+def find_input(inputs: Path, schema: str) -> Path | None:
+    """The measured input of `inputs` whose JSON names `schema` (its "schema" field, written
+    first), or None; two such files are an error (one measurement of each kind is the model's)."""
+    pattern = re.compile(r'"schema"\s*:\s*"([^"]+)"')
+    found = []
+    for path in sorted(inputs.glob("*.json")):
+        with open(path) as f:
+            head = pattern.search(f.read(512))
+        if head and head.group(1) == schema:
+            found.append(path)
+    if len(found) > 1:
+        raise ValueError(f"{inputs}: {len(found)} {schema} files ({', '.join(p.name for p in found)}): keep one")
+    return found[0] if found else None
+
+
+def _idle_range(inputs: Path) -> tuple[float, float, list[str]]:
+    """The lowest and highest GPU idle per busy second of the step profiles among the inputs."""
+    ratios = {}
+    for path in sorted(inputs.glob("profile_*.json")):
+        prof = json.loads(path.read_text())
+        ratios[path.name] = prof["gpu_idle_share"] / prof["gpu_busy_share"]
+    return min(ratios.values()), max(ratios.values()), list(ratios)
+
+
+def host_sync_costs(summary: dict, floor_us: float) -> HostSync:
+    """One phase of a host_syncs case (experiments/host_syncs.py's summary) as a HostSync."""
+    count = float(summary["syncs_per_call"])
+    if not count:
+        return HostSync(0.0, dict.fromkeys(SCENARIOS, 0.0))
+    host_us = summary["host_ms"] * 1e3
+    waited = (summary.get("wait_us_per_call") or 0.0) + (
+        (summary.get("wait_outside_cuda_api") or {}).get("self_cpu_us_median") or 0.0)
+    low = min(count * floor_us, host_us)
+    central = min(host_us, max(host_us - waited, low))
+    return HostSync(count, {"low": low, "central": central, "high": host_us})
+
+
+def _host_syncs(inputs: Path, rel, floor_us: float) -> tuple[dict, list[Assumption]]:
+    """Per measured GPU case of the host_syncs file, per transfer: its HostSync."""
+    path = find_input(inputs, HOST_SYNCS_SCHEMA)
+    if path is None:
+        return {}, [Assumption("host synchronisations per dispatch, combine and their backwards", 0.0, "",
+                               f"not measured yet ({rel} holds no {HOST_SYNCS_SCHEMA} file: experiments/host_syncs.py "
+                               "run on one GPU): each backend's stated count (its CostTraits) at the all-to-all path's "
+                               "per-call cost")]
+    doc = json.loads(path.read_text())
+    out, A = {}, []
+    for case, c in doc["cases"].items():
+        if c.get("status") != "ok" or c.get("device") != "cuda":
+            continue  # the CPU cases count, they do not time
+        out[case] = {t: host_sync_costs(c["summary"][phase], floor_us) for t, phase in HOST_SYNC_PHASES.items()}
+        d = out[case]["dispatch"]
+        whole = [n for n in names() if backend_class(n).costs and backend_class(n).costs.host_syncs_case == case
+                 and backend_class(n).costs.transport == "NCCL"]
+        record = (f" ({', '.join(whole)}: for the record - its per-call cost is the comm bench's measured round trip, "
+                  "host syncs included)" if whole else "")
+        A.append(Assumption(
+            f"host synchronisations, {case} ({c.get('where', '')}): per forward dispatch, and the GPU time each call "
+            f"loses{record}", d.count, f"syncs; {d.cost_us['central']:.0f} us", f"{rel}/{path.name} ({doc.get('device')}, "
+            f"{doc['shape']['tokens']} tokens, hidden {doc['shape']['hidden']}); per call: "
+            + "; ".join(f"{t} {h.count:g} x, {h.cost_us['central']:.0f} us" for t, h in out[case].items()),
+            low=d.cost_us["low"], high=d.cost_us["high"],
+            range_source="low: one kernel launch (the per-kernel floor) per synchronisation; high: the call's "
+                         "whole host time, waits included"))
+    return out, A
+
+
+def _imbalance(inputs: Path, rel) -> Imbalance | None:
+    path = find_input(inputs, IMBALANCE_SCHEMA)
+    if path is None:
+        return None
+    doc = json.loads(path.read_text())
+    by_ep = {int(ep): {k: e["all_layers"][k] for k in ("median", "p90", "max")}
+             for ep, e in doc["analysis"]["ep"].items() if e.get("derivable")}
+    run, a = doc.get("run", {}), doc["analysis"]
+    experts = a["experts"]
+    full = _flavor("671B").moe_args.num_experts
+    # a run that routes fewer experts than DeepSeek-V3 (a small model trained from scratch) need not
+    # route like it: its skew bounds the workloads' from above until a run of their own routing is measured
+    collapsed = ""
+    if experts < full:
+        collapsed = (f"measured on a model of {experts} routed experts ({run.get('flavor')}, {a['steps']['last']} steps "
+                     f"from scratch), not DeepSeek-V3's {full}")
+        if by_ep:  # how close to all of a step's tokens on one rank (at most ep x min(top_k, experts / ep) / top_k)
+            ep = max(by_ep)
+            most = ep * min(a["top_k"], experts / ep) / a["top_k"]
+            collapsed += (f"; its routing concentrated on few experts: at EP {ep} the busiest rank took "
+                          f"{by_ep[ep]['median']:.2f}x the mean, of at most {most:g}x")
+    return Imbalance(by_ep, f"{rel}/{path.name} ({run.get('recipe')}, {a['steps']['count']} steps, "
+                            f"{experts} experts; per MoE layer and step)", experts, collapsed)

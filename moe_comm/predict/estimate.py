@@ -180,17 +180,24 @@ class MemoryEstimate:
     pipelined: bool = False  # PP: gradients accumulate while microbatches are in flight
     microbatches_in_flight: float = 1.0  # whole-rank microbatches whose activations are held at the peak
     stages_per_rank: int = 1
+    # what activation checkpointing keeps of each MoE layer's dispatch and combine so that its
+    # recompute re-runs neither (comm_kept_bytes), for every MoE layer-microbatch in flight
+    comm_kept: float = 0.0
+    # the memory pools of the MoE calls' CUDA graphs (call_graph_bytes), held for the whole step
+    call_graphs: float = 0.0
 
     @property
     def forward_end(self) -> float:
         """The most activations alive; with PP, the accumulating gradients are there too (the
         first microbatch's backward precedes the last one's forward)."""
-        held = self.params_and_optimizer + self.fsdp_working_set + self.weight_copies + self.activations + self.logits
+        held = (self.params_and_optimizer + self.fsdp_working_set + self.weight_copies + self.activations
+                + self.comm_kept + self.logits + self.call_graphs)
         return held + (self.grad_reduce if self.pipelined else 0.0)
 
     @property
     def backward_end(self) -> float:
-        return self.params_and_optimizer + self.gradients + self.fsdp_working_set + self.grad_reduce
+        return (self.params_and_optimizer + self.gradients + self.fsdp_working_set + self.grad_reduce
+                + self.call_graphs)
 
     @property
     def total(self) -> float:
@@ -260,18 +267,26 @@ def pipeline_ranks(a, layout: Layout, local_batch: int, microbatch: int, pp_sche
 
 def memory_per_gpu(
     a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int = 1,
-    pp_schedule: str = "1F1B", layers_per_stage: int | None = None,
+    pp_schedule: str = "1F1B", layers_per_stage: int | None = None, *, comm_kept_per_layer: float = 0.0,
+    extra_chunks: int = 0, call_graphs_per_layer: float = 0.0,
 ) -> MemoryEstimate:
-    """Per-GPU memory; with PP, of the pipeline rank that holds the most."""
+    """Per-GPU memory; with PP, of the pipeline rank that holds the most. `comm_kept_per_layer`:
+    the bytes activation checkpointing keeps per MoE layer and microbatch so that its recompute
+    re-runs no communication (comm_kept_bytes, for the run's backend; 0 where the recompute
+    re-runs it, as TorchTitan's own does); `extra_chunks`: microbatch-stages a schedule holds
+    beyond its own (the microbatch overlap's one more warmup forward); `call_graphs_per_layer`: the
+    MoE calls' CUDA graph pools per MoE layer (call_graph_bytes, for a backend that graphs them)."""
     if layout.pp > 1:
         ranks = pipeline_ranks(a, layout, local_batch, microbatch, pp_schedule, layers_per_stage)
-        return max((_memory(a, layout, local_batch, seq_len, ac_mode, microbatch, r) for r in ranks),
-                   key=lambda mem: mem.total)
-    return _memory(a, layout, local_batch, seq_len, ac_mode, microbatch, None)
+        return max((_memory(a, layout, local_batch, seq_len, ac_mode, microbatch, r, comm_kept_per_layer,
+                            extra_chunks, call_graphs_per_layer) for r in ranks), key=lambda mem: mem.total)
+    return _memory(a, layout, local_batch, seq_len, ac_mode, microbatch, None, comm_kept_per_layer,
+                   call_graphs_per_layer=call_graphs_per_layer)
 
 
 def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int,
-            rank: PipelineRank | None) -> MemoryEstimate:
+            rank: PipelineRank | None, comm_kept_per_layer: float = 0.0, extra_chunks: int = 0,
+            call_graphs_per_layer: float = 0.0) -> MemoryEstimate:
     p = count_params(a)
     shard = layout.dp_shard * layout.cp * layout.tp * layout.pp
     routed_per_block = expert_params(a, a.moe_args.num_experts)
@@ -302,7 +317,7 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
         grad_reduce = 4 * held
         layers = rank.layers
         tokens_one_mb = microbatch * seq_len
-        in_flight = rank.pipe.microbatches_in_flight(rank.rank)
+        in_flight = rank.pipe.microbatches_in_flight(rank.rank) + extra_chunks / rank.pipe.v
         tokens = in_flight * tokens_one_mb
     amp = autocast(layout)
     weight_copies = 0.0
@@ -322,6 +337,9 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
         activations = 0.5 * tokens * sum(per_token)
     else:
         activations = tokens * sum(per_token)
+    # without AC the kept outputs are the layer's activations, counted above
+    moe_layers = sum(1 for i in layers if i >= a.n_dense_layers)
+    comm_kept = comm_kept_per_layer * moe_layers * in_flight if ac_mode != "none" else 0.0
     on_last = rank is None or rank.output
     logits = tokens_one_mb * a.vocab_size * (4 + 2) / cp_tp if on_last else 0.0
     cache = ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM * a.vocab_size * a.dim / layout.tp
@@ -329,7 +347,8 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
         params_and_optimizer=12 * p.total / shard, gradients=4 * p.total / shard,
         fsdp_working_set=fsdp_working_set, grad_reduce=grad_reduce, activations=activations,
         weight_copies=weight_copies, logits=logits, allocator_cache=cache, pipelined=rank is not None,
-        microbatches_in_flight=in_flight, stages_per_rank=rank.pipe.v if rank else 1,
+        microbatches_in_flight=in_flight, stages_per_rank=rank.pipe.v if rank else 1, comm_kept=comm_kept,
+        call_graphs=call_graphs_per_layer * moe_layers,
     )
 
 
@@ -445,3 +464,20 @@ def comm_kept_bytes(a, tokens: int, ep: int, backend: str, *, overlap: str = "no
         else:
             raise ValueError(f"backend {backend!r} is not one of nccl, nvshmem, deepep")
     return total
+
+
+def call_graph_bytes(a, tokens: int, ep: int, recv_capacity_factor: float = 0.0, act_bytes: int = 2,
+                     align: int = 8) -> float:
+    """Bytes the CUDA graphs of one MoE layer's calls keep in their memory pools
+    (moe_comm.kernels.call_graphs: each instance keeps its outputs' memory while idle, and a call
+    whose earlier outputs are still alive gets another instance): about two of each call kind's
+    outputs - dispatch's expert rows (the buffer's capacity), combine's output (the tokens), and
+    their backwards' (rows-shaped and tokens-shaped) - for the rank's `tokens` per call. Measured
+    on one H200: the one-GPU recipe's peak in use rose by 8.1 GiB when its MoE calls became graphs
+    (2 MoE layers of 8192 tokens: results/h200x1/README.md, this rule gives 7.9)."""
+    from moe_comm.kernels import capacity
+
+    m = a.moe_args
+    cap = capacity.expert_rows(tokens, m.num_experts, m.top_k, ep, recv_capacity_factor, align)
+    return 2 * (2 * cap + 2 * tokens) * a.dim * act_bytes
+

@@ -12,15 +12,19 @@ The search space (TorchTitan 0.2.2 with our EP hook, which takes no TP; no CP, n
   * AC none / selective / full;
   * the EP degree (a divisor of dp_shard and of the experts, at least one node's GPUs or the
     recipe's own), which sets the EP / FSDP split of the experts (efsdp = dp_shard / ep);
-  * the MoE overlap: none, chunked ([moe_comm] overlap), and DualPipeV's own (with AC none, as
-    TorchTitan requires).
+  * the MoE overlap: none, chunked and microbatch ([moe_comm] overlap; microbatch with
+    Interleaved1F1B), and DualPipeV's own (with AC none, as TorchTitan requires).
 A layout is kept for a backend when its `check_run` accepts it (moe_comm.predict.scale_model's
-refusal) and the memory estimate (moe_comm.predict.estimate, the pipeline rank that holds the
-most) plus the backend's symmetric heap, where it has one, leaves the headroom asked for: 15% by
-default, issue 23's bound (memory in use at most 85% of the GPU), wider than `check`'s 10% fit
-verdict because the estimate's pipeline terms have not met a multi-node measurement yet.
+refusal) and the memory estimate (moe_comm.predict.scale_model.memory: the pipeline rank that
+holds the most, with what the backend's comm-free recompute keeps) plus the backend's symmetric
+heap, where it has one, leaves the headroom asked for: 15% by default, issue 23's bound (memory
+in use at most 85% of the GPU), wider than `check`'s 10% fit verdict because the estimate's
+pipeline terms have not met a multi-node measurement yet.
 Backends: every one the scale model prices, with each dispatch dtype it takes
 (moe_comm.predict.scale_model.choices).
+Layouts are ranked by their central prediction; the rows shown carry the range the unmeasured
+inputs give (scale_model.predict_range), and a row whose range meets the best row's is one the
+model cannot tell apart from it.
 Every figure is a model prediction, with the model's assumptions (results/scale_model.md).
 """
 
@@ -44,10 +48,24 @@ KEEP_KEYS = {
     "microbatch": "pipeline_parallel_microbatch_size",
     "local_batch": "local_batch_size", "ac": "activation_checkpoint mode", "overlap": "[moe_comm] overlap",
 }
-# Megatron-Core's DeepSeek-V3 on 256 GB200 (TP 1, PP 8, VPP 4, EP 32, MXFP8), with HybridEP
-MEGATRON_TFLOPS = 944.0
-MEGATRON_SOURCE = ("NVIDIA Megatron-LM, docs/discussions/deepseek-v3-gb200-optimization/"
-                   "deepseek-v3-gb200-optimization.md, 2025-11: 943.56 with HybridEP")
+@dataclass(frozen=True)
+class Reference:
+    """A published run `--explain` measures a prediction against, in tokens/s per GPU (its
+    TFLOPS figure counts its own way; the comparison puts both on one convention)."""
+
+    name: str
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float  # as published
+    gpu: str
+    layout: str
+    source: str
+
+
+# The same-hardware anchor (issue 34 item 5): its published performance summary.
+MEGATRON_BRIDGE_B200 = Reference(
+    "Megatron-Bridge DeepSeek-V3", 3328.0, 864.0, "B200",
+    "256 B200, MXFP8, TP 1, PP 8, VPP 2, EP 32, forced-balanced routing",
+    "Megatron-Bridge performance summary, release 26.04.01")
 
 
 class PlanError(ValueError):
@@ -81,6 +99,7 @@ class Row:
     memory_gib: float  # in use at the peak, plus the backend's symmetric heap
     memory_limit_gib: float
     overrides: list[str]
+    range: scale_model.PredictionRange | None = None  # the rows shown: every scenario of the unmeasured inputs
 
     @property
     def label(self) -> str:
@@ -89,6 +108,11 @@ class Row:
     @property
     def tokens_per_s_per_gpu(self) -> float:
         return self.prediction.tokens_per_s_per_gpu
+
+    @property
+    def span(self) -> tuple[float, float, float]:
+        """(low, central, high) tokens/s per GPU."""
+        return self.range.span() if self.range else (self.tokens_per_s_per_gpu,) * 3
 
     @property
     def bounds(self) -> dict[str, float]:
@@ -199,7 +223,8 @@ def layouts(req: Request) -> list[Layout]:
             mb = mbs or lb  # without PP one "microbatch" is the local batch
             if lb % mb or not _pipeline_ok(name, pp, lb // mb, v):
                 continue
-            overlaps = ("none", "chunked") + (("dualpipev",) if name == "DualPipeV" and ac == "none" else ())
+            overlaps = (("none", "chunked") + (("microbatch",) if name == "Interleaved1F1B" and ep > 1 else ())
+                        + (("dualpipev",) if name == "DualPipeV" and ac == "none" else ()))
             for ov in overlaps:
                 lay = Layout(pp, name, per_stage, v, mb, lb, ac, ep, ov)
                 if _kept(lay, keep):
@@ -293,14 +318,17 @@ def plan(req: Request, cal: Calibration, top: int = 10) -> dict[str, list[Row]]:
     least = math.inf
     for lay in candidates:
         w = _workload(req, lay)
-        key = (lay.pp, lay.schedule, lay.v, lay.microbatch, lay.local_batch, lay.ac, lay.ep)
-        if key not in memo:
-            mem = estimate.memory_per_gpu(w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch,
-                                          w.pp_schedule, w.layers_per_stage)
-            memo[key] = (mem.total / estimate.GiB, _heap_gib(req, w))
-        in_use, heap = memo[key]
+        heap = None
         for c in req.backends:
-            total = in_use + (heap if backend_class(c.backend).symmetric_heap else 0.0)
+            cls = backend_class(c.backend)
+            # what the estimate depends on: the layout, and the backend's kept comm tensors
+            key = (lay.pp, lay.schedule, lay.v, lay.microbatch, lay.local_batch, lay.ac, lay.ep, lay.overlap,
+                   cls.costs.transport)
+            if key not in memo:
+                memo[key] = scale_model.memory(w, c.backend).total / estimate.GiB
+            if cls.symmetric_heap and heap is None:
+                heap = _heap_gib(req, w)
+            total = memo[key] + (heap if cls.symmetric_heap else 0.0)
             least = min(least, total)
             if total > limit or not scale_model.runnable(c.backend, w, c.dispatch_dtype):
                 continue
@@ -310,7 +338,17 @@ def plan(req: Request, cal: Calibration, top: int = 10) -> dict[str, list[Row]]:
         raise PlanError(f"nothing fits on {req.nodes} x {req.gpus_per_node} {req.gpu} ({gpu_mem:.0f} GiB, "
                         f"{req.headroom:.0%} headroom: {limit:.0f} GiB) with {kept_text(req)}: the smallest layout "
                         f"needs {least:.0f} GiB per GPU; add nodes or relax --keep")
-    return {b: sorted(r, key=lambda row: -row.tokens_per_s_per_gpu)[:top] for b, r in rows.items()}
+    best = {b: sorted(r, key=lambda row: -row.tokens_per_s_per_gpu)[:top] for b, r in rows.items()}
+    for top_rows in best.values():  # the rows shown carry their range
+        for row in top_rows:
+            row.range = scale_model.predict_range(row.choice.backend, _workload(req, row.layout), cluster, cal,
+                                                  row.choice.dispatch_dtype)
+    return best
+
+
+def overlaps_best(row: Row, best: Row) -> bool:
+    """Whether a row's tokens/s range meets the best row's: the model cannot rank the two."""
+    return row is not best and row.range is not None and best.range is not None and row.range.overlaps(best.range)
 
 
 def _no_layout(req: Request) -> str:
@@ -349,27 +387,107 @@ def _gpu_memory_gib(gpu: str) -> float:
     return known.memory_gib
 
 
-def shortfall(p: scale_model.StepPrediction, reference_tflops: float = MEGATRON_TFLOPS) -> list[tuple[str, float]]:
-    """Where a prediction's model TFLOPS/GPU go, term by term: (term, TFLOPS). The first line
-    is the reference less what the step's forward and backward matmuls and attention alone
-    would reach (at the model's GEMM and attention efficiencies; negative when they alone would
-    beat it); each later line is what adding that term's time to the step costs, in the order
-    listed, so the lines add up to the reference less the prediction."""
-    flops = p.tflops_per_gpu * p.step_ms  # the step's model flops, in TFLOPS x ms
+def causal_flops_per_token(a, seq_len: int) -> float:
+    """Megatron's count of a token's training flops: TorchTitan's (6 x active parameters less the
+    embedding, plus the attention matrix) with the attention halved for the causal mask, which
+    executes half of it. One convention for both sides of a comparison with Megatron."""
+    p = estimate.count_params(a)
+    head_dims = a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim
+    return 6 * (p.active - p.embedding) + 6 * a.n_layers * a.n_heads * head_dims * seq_len / 2
+
+
+# The step's terms as `shortfall` names them: (line, the StepPrediction terms it sums, less the
+# recompute's share of the compute terms, which is a line of its own).
+SHORTFALL_TERMS = (
+    ("memory-bound kernels", ("memory-bound",)),
+    ("activation recompute", ()),
+    ("exposed MoE transfers", ("moe comm",)),
+    ("host synchronisations", ()),
+    ("comm SM contention", ("comm SM contention",)),
+    ("chunked overlap's weight work", ("chunked weight work",)),
+    ("TP communication", ("tp comm",)),
+    ("PP sends", ("pp p2p",)),
+    ("pipeline bubble", ("pp bubble",)),
+    ("exposed FSDP collectives", ("fsdp exposed",)),
+    ("optimizer step", ("optimizer",)),
+    ("parameter and gradient copies (FSDP, PP accumulation)", ("param copies",)),
+    ("GPU idle (launch gaps, host work)", ("idle",)),
+)
+
+
+def shortfall_terms(p: scale_model.StepPrediction) -> list[tuple[str, float]]:
+    """(line, ms per step) of every term beyond the matmuls and attention kernels' own time."""
     t, redo = p.terms_ms, p.recompute_ms
-    parts = [("memory-bound kernels", t["memory-bound"] - redo["memory-bound"]),
-             ("activation recompute", sum(redo.values())),
-             ("exposed MoE communication", t["moe comm"]), ("comm SM contention", t["comm SM contention"]),
-             ("chunked overlap's weight work", t["chunked weight work"]),
-             ("TP communication", t["tp comm"]), ("PP sends", t["pp p2p"]), ("pipeline bubble", t["pp bubble"]),
-             ("exposed FSDP collectives", t["fsdp exposed"]), ("optimizer step", t["optimizer"]),
-             ("parameter and gradient copies (FSDP, PP accumulation)", t["param copies"]),
-             ("GPU idle (launch gaps, host work)", t["idle"])]
-    elapsed = t["gemm"] - redo["gemm"] + t["attention"] - redo["attention"]
-    out = [("the reference less matmuls and attention alone (at their measured times)",
-            reference_tflops - flops / elapsed)]
-    for name, ms in parts:
-        if ms > 0:
-            out.append((name, flops / elapsed - flops / (elapsed + ms)))
-            elapsed += ms
+    out = []
+    for name, keys in SHORTFALL_TERMS:
+        ms = sum(t[k] for k in keys)
+        if name == "memory-bound kernels":
+            ms -= redo["memory-bound"]
+        elif name == "activation recompute":
+            ms = sum(redo.values())
+        elif name == "exposed MoE transfers":
+            ms -= p.host_sync_ms
+        elif name == "host synchronisations":
+            ms = p.host_sync_ms
+        out.append((name, ms))
+    return out
+
+
+def shortfall(p: scale_model.StepPrediction, flops_per_token: float,
+              reference_tokens_per_s: float) -> list[tuple[str, float]]:
+    """Where a prediction's TFLOPS/GPU fall short of a reference's, term by term, both at
+    `flops_per_token` (one convention): (line, TFLOPS). The first line is the reference less what
+    the step's matmuls and attention kernels alone would reach (at their measured times; negative
+    when they alone would beat it). Each later line is that term's Shapley share of the rest: its
+    cost (TFLOPS lost by adding its time to the step) averaged over every order of adding the terms
+    - exact, over every subset - so no line depends on the order they are listed in, and the
+    lines add up to the reference less the prediction."""
+    work = p.tokens_per_step * flops_per_token / 1e12  # the step's model TFLOP on this rank
+    t, redo = p.terms_ms, p.recompute_ms
+    elapsed = t["gemm"] - redo["gemm"] + t["attention"] - redo["attention"]  # ms
+    terms = [(n, ms) for n, ms in shortfall_terms(p) if ms > 0]
+    n = len(terms)
+
+    def tflops(total_ms: float) -> float:
+        return work / (total_ms * 1e-3)
+
+    weight = [math.factorial(k) * math.factorial(n - k - 1) / math.factorial(n) for k in range(n)]
+    shares = [0.0] * n
+    for mask in range(1 << n):
+        base = elapsed + sum(terms[j][1] for j in range(n) if mask >> j & 1)
+        k = bin(mask).count("1")
+        for i in range(n):
+            if not mask >> i & 1:
+                shares[i] += weight[k] * (tflops(base) - tflops(base + terms[i][1]))
+    reference = reference_tokens_per_s * flops_per_token / 1e12
+    return ([("the reference less matmuls and attention alone (at their measured times)", reference - tflops(elapsed))]
+            + [(name, share) for (name, _), share in zip(terms, shares)])
+
+
+def differences(w: scale_model.Workload, ref: Reference = MEGATRON_BRIDGE_B200) -> list[str]:
+    """What in a workload's layout differs from the Megatron-Bridge anchor's (issue 34 item 5)."""
+    lay = w.layout
+    pipe = estimate.pipeline_ranks(w.args, lay, w.local_batch, w.microbatch, w.pp_schedule, w.layers_per_stage)[0].pipe
+    out = []
+    if (lay.pp, pipe.v) != (8, 2):
+        out.append(f"PP {lay.pp} with {pipe.v} stage(s) per rank ({pipe.name}) against PP 8, VPP 2")
+    if lay.ep != 32:
+        out.append(f"EP {lay.ep} against 32")
+    if "quantize.grouped_mm.mx" not in w.converters:
+        out.append("bf16 grouped GEMMs against MXFP8 (every GEMM)")
+    else:
+        out.append("MXFP8 grouped GEMMs only (the dense GEMMs stay bf16) against MXFP8 for every GEMM")
+    if w.routing != "balanced":
+        out.append(f"the model's own router ({w.routing}, with its busiest-rank skew) against forced-balanced routing")
+    out.append({"microbatch": "EP communication behind another microbatch's layer in Interleaved1F1B's overlapped "
+                              "pairs (weight gradients not delayed into it)",
+                "chunked": "EP communication behind the same layer's experts only (chunked)",
+                "dualpipev": "DualPipeV's EP overlap",
+                "none": "no EP overlap"}[w.overlap]
+               + " against Megatron's EP overlap across microbatches with delayed weight gradients")
+    out.append(f"AC {w.ac_mode} against Megatron's selective recompute")
+    if w.documents is not None:
+        out.append(f"block-causal attention over {w.documents.name}'s documents (the anchor's mask is not stated)")
+    out.append("DeepSeek-V3's multi-token-prediction layer: Megatron trains it (its 864 TFLOPS count it), TorchTitan "
+               "does not")
     return out

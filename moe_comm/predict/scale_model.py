@@ -25,20 +25,28 @@ tokens they handle per SM of their budget, then the slower of their NVLink and n
 bytes at NCCL's rates; then each pays its host round trips per forward dispatch and its permute
 or layout kernels per expert row. Which backends the model refuses for a workload is what their
 `check_run` refuses before launch. TorchTitan 0.2.2 runs dispatch and combine on the compute
-stream, so MoE communication is exposed; FSDP's collectives overlap compute except the first
-all-gather and the last reduce-scatter.
+stream, so MoE communication is exposed unless an overlap hides it ("chunked" behind the same
+layer's experts, "microbatch" behind another microbatch's layer in Interleaved1F1B's overlapped
+pairs, DualPipeV's in its own); FSDP's collectives overlap compute except the first all-gather
+and the last reduce-scatter, and take their share of the NIC from the EP transfers beside them.
+
+Every prediction is made at one scenario of the unmeasured inputs (assumptions.SCENARIOS:
+network efficiency, the B200's share of peak, the routing's busiest-rank factor, the GPU's idle
+share, the host synchronisations' cost): `predict_range` gives the pessimistic end, the central
+value and the optimistic end.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moe_comm import gpus
 from moe_comm.backends import backend_class, names
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
-from moe_comm.layout import flavor_args, Layout, RunPlan
-from moe_comm.predict import estimate, layer_compute, schedule
-from moe_comm.predict.assumptions import READ, REPO
+from moe_comm.layout import flavor_args, Layout, OUR_MODEL_NAME, RunPlan
+from moe_comm.predict import documents, estimate, layer_compute, schedule
+from moe_comm.predict.assumptions import READ, REPO, SCENARIOS, Inputs
 from moe_comm.predict.calibration import Calibration
+from moe_comm.predict.documents import DocumentLengths
 from moe_comm.predict.estimate import optimizer_bytes
 from moe_comm.predict.routing_plan import PlanStats, row_bytes, routing_statistics
 from moe_comm.predict.schedule import Pipeline
@@ -94,10 +102,11 @@ class Cluster:
     gpus_per_node: int
     nvlink_copy_gbps: float  # what SM stores or the copy engine achieve per direction, both busy
     nic_gbps: float
+    network_efficiency: float = READ["network_efficiency"].value  # achieved share of the NIC's line rate
 
     @property
     def network_gbps(self) -> float:
-        return self.nic_gbps * READ["network_efficiency"].value
+        return self.nic_gbps * self.network_efficiency
 
 
 def cluster_for(gpu: str, nodes: int, gpus_per_node: int, cal: Calibration) -> Cluster:
@@ -128,7 +137,16 @@ class Workload:
     virtual_node_size: int = 0
     pp_schedule: str = "1F1B"
     layers_per_stage: int | None = None  # [parallelism] pipeline_parallel_layers_per_stage
-    overlap: str = "none"  # "none", "chunked" ([moe_comm] overlap) or "dualpipev" (TorchTitan's, DualPipeV)
+    overlap: str = "none"  # "none", "chunked", "microbatch" ([moe_comm] overlap) or "dualpipev" (DualPipeV's)
+    # the dataset's document lengths (moe_comm.predict.documents), which a block-causal flavor's
+    # attention follows; None: unknown, priced as one document per sequence
+    documents: DocumentLengths | None = None
+    expert_dtype: str = "bf16"  # [moe_comm] expert_dtype
+    combine_grad_dtype: str = "bf16"  # [moe_comm] combine_grad_dtype
+    # whether full AC's recompute re-runs dispatch and combine: TorchTitan's own model does (the
+    # public anchors); ours never does (moe_comm.titan.recompute replays what the forward returned)
+    recompute_comm: bool = False
+    recv_capacity_factor: float = 0.0  # [moe_comm] recv_capacity_factor (the memory the recompute keeps)
 
     @property
     def tokens_per_call(self) -> int:
@@ -153,9 +171,10 @@ class Workload:
 
     @property
     def comm_recomputed(self) -> bool:
-        """Full AC re-runs each block's forward, dispatch and combine included; TorchTitan's
-        op-level selective AC keeps the comm ops' outputs (they are on its save list)."""
-        return self.ac_mode == "full"
+        """Whether the backward re-runs the forward's dispatch and combine: TorchTitan's full AC
+        re-runs each block's forward, comm included (its op-level selective AC keeps the comm
+        ops' outputs); this project's recompute never does, in any mode."""
+        return self.recompute_comm and self.ac_mode == "full"
 
 
 def routing_for(config, args) -> str:
@@ -167,16 +186,29 @@ def routing_for(config, args) -> str:
     return "random"
 
 
+def dataset_documents(dataset: str, dataset_path: str | None) -> DocumentLengths | None:
+    """The document lengths of a recipe's dataset (moe_comm.predict.documents), None where none
+    is known (then attention is priced at one document per sequence, its most)."""
+    try:
+        return documents.for_recipe(dataset, dataset_path)
+    except KeyError:
+        return None
+
+
 def workload_from_recipe(r) -> Workload:
     c = r.config
     args = flavor_args(c)
+    mc = c.moe_comm
     return Workload(
         flavor=c.model.flavor, args=args, layout=r.layout, local_batch=c.training.local_batch_size,
         seq_len=c.training.seq_len, microbatch=c.parallelism.pipeline_parallel_microbatch_size,
         ac_mode=c.activation_checkpoint.mode, converters=tuple(c.model.converters),
-        routing=routing_for(c, args), num_sms=c.moe_comm.num_sms, network_sms=c.moe_comm.network_sms,
-        virtual_node_size=c.moe_comm.virtual_node_size, pp_schedule=c.parallelism.pipeline_parallel_schedule,
+        routing=routing_for(c, args), num_sms=mc.num_sms, network_sms=mc.network_sms,
+        virtual_node_size=mc.virtual_node_size, pp_schedule=c.parallelism.pipeline_parallel_schedule,
         layers_per_stage=c.parallelism.pipeline_parallel_layers_per_stage, overlap=overlap_for(c, r.layout),
+        documents=dataset_documents(c.training.dataset, c.training.dataset_path), expert_dtype=mc.expert_dtype,
+        combine_grad_dtype=mc.combine_grad_dtype, recompute_comm=c.model.name != OUR_MODEL_NAME,
+        recv_capacity_factor=mc.recv_capacity_factor,
     )
 
 
@@ -193,13 +225,17 @@ def overlap_for(config, layout) -> str:
 
 def workload_from_spec(spec: dict, cal: Calibration | None = None) -> tuple[Workload, Cluster | None]:
     """A validation figure's workload and cluster (None without a calibration): a recipe (with
-    overrides) on a GPU, or the fields of a run that has no recipe here (a public anchor)."""
+    overrides) on a GPU, or the fields of a run that has no recipe here (a public anchor: it ran
+    TorchTitan's own model, whose full AC re-runs the comm; its dataset, "c4" unless it says).
+    `recompute_comm` marks a run of ours made before the comm-free recompute."""
     if "recipe" in spec:
         from moe_comm import recipe as recipe_mod
 
         r = recipe_mod.load(str(REPO / spec["recipe"]), list(spec.get("overrides", [])), device="cuda",
                             check_paths=False)
         w = workload_from_recipe(r)
+        if "recompute_comm" in spec:
+            w = replace(w, recompute_comm=bool(spec["recompute_comm"]))
         return w, cal and cluster_for(spec["gpu"], r.layout.nodes, r.layout.procs_per_node, cal)
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
@@ -216,7 +252,8 @@ def workload_from_spec(spec: dict, cal: Calibration | None = None) -> tuple[Work
         seq_len=f["seq_len"], microbatch=f.get("microbatch", 1), ac_mode=f["ac_mode"],
         converters=tuple(f.get("converters", ())), routing=f["routing"], num_sms=f.get("num_sms", 20),
         pp_schedule=f.get("pp_schedule", "1F1B"), layers_per_stage=f.get("layers_per_stage"),
-        overlap=f.get("overlap", "none"),
+        overlap=f.get("overlap", "none"), documents=dataset_documents(f.get("dataset", "c4"), None),
+        recompute_comm=f.get("recompute_comm", True),
     )
     return w, cal and cluster_for(spec["gpu"], nodes, per_node, cal)
 
@@ -225,6 +262,23 @@ def _stats(w: Workload) -> PlanStats:
     m = w.args.moe_args
     return routing_statistics(w.routing, w.layout.ep, w.ranks_per_node, m.num_experts, m.top_k,
                               m.num_expert_groups or 8, m.num_limited_groups or 4)
+
+
+def busiest_factor(w: Workload, cal: Calibration, inputs: Inputs, backend: str) -> float | None:
+    """The busiest EP rank's routed rows over the mean rank's that the workload's routing sees
+    (None: the drawn routing's own busiest rank). Forced-balanced routing is exact as drawn (every
+    rank the same rows); otherwise the measured factor at the workload's EP, at the scenario's
+    statistic (calibration.Imbalance), where it was measured. A backend with fixed receive
+    buffers (a symmetric heap: recv_capacity_factor x the balanced load) runs no skew beyond
+    them - the run stops with an error naming the field - so its factor stops there."""
+    if w.routing == "balanced" or w.layout.ep == 1:
+        return 1.0
+    if inputs.imbalance == "drawn" or cal.imbalance is None:
+        return None
+    factor = cal.imbalance.factor(w.layout.ep, inputs.imbalance)
+    if backend_class(backend).symmetric_heap and w.recv_capacity_factor > 0:
+        factor = min(factor, w.recv_capacity_factor)
+    return factor
 
 
 # ----------------------------------------------------------------------------- transfers
@@ -267,8 +321,9 @@ class LayerComm:
     nodes: int
     ranks_per_node: int
     transfers: list
-    recomputed: bool  # the forward transfers run again in the backward pass (full AC)
+    recomputed: bool  # the forward transfers run again in the backward pass (TorchTitan's full AC)
     stats: PlanStats
+    busiest_factor: float | None = None  # the receive side's busiest rank over the mean (None: as drawn)
 
     def _each(self):
         for t in self.transfers:
@@ -296,10 +351,31 @@ def _hbm_scale(cluster: Cluster, hidden: int) -> float:
     return READ["hbm_tbs.H200"].value / cluster.gpu.hbm_tbs * hidden / 7168
 
 
+def host_us(costs, name: str, cal: Calibration, inputs: Inputs) -> float:
+    """The GPU time one transfer loses to its host synchronisations: measured per call where the
+    backend's case was (calibration.HostSync, at the scenario's end of its range); for the NCCL
+    transport its per-call cost is measured whole (the comm bench's round trips, counts exchange
+    and host syncs included) on the forward dispatch. Where neither, a forward dispatch that makes
+    any (its class's stated count) costs what a host-driven call of the all-to-all path costs in
+    all, within one kernel launch per round trip (low) and that cost per round trip (high)."""
+    measured = cal.host_syncs.get(costs.host_syncs_case)
+    if measured and costs.transport != "NCCL":
+        return measured[name].cost_us[inputs.host_sync]
+    n = costs.host_syncs_per_dispatch
+    if name != "dispatch" or not n:
+        return 0.0
+    if costs.transport == "NCCL":
+        return n * cal.nccl_call_us
+    return {"low": n * cal.kernel_floor_us, "central": cal.nccl_call_us, "high": n * cal.nccl_call_us}[inputs.host_sync]
+
+
 def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration,
-               dispatch_dtype: str = "bf16") -> LayerComm:
+               dispatch_dtype: str = "bf16", *, inputs: Inputs | None = None, nic_share: float = 1.0) -> LayerComm:
     """The four transfers of one MoE layer for one microbatch on the slowest rank, priced by the
-    backend class's cost traits (moe_comm.backends.base.CostTraits)."""
+    backend class's cost traits (moe_comm.backends.base.CostTraits). The receive side (rows in,
+    slots, expert rows) is the mean rank's times the busiest-rank factor (`busiest_factor`); the
+    send side the drawn routing's busiest rank. `nic_share`: the share of the NIC the EP
+    transfers get (FSDP's collectives take the rest while they run)."""
     if backend not in names():
         raise ValueError(f"backend {backend!r}: choose one of {list(names())}")
     cls = backend_class(backend)
@@ -307,26 +383,33 @@ def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration,
         raise ValueError(f"backend {backend!r} has no cost traits to price it with")
     if dispatch_dtype not in cls.dispatch_dtypes:
         raise ValueError(f"backend {backend!r} dispatches {' or '.join(cls.dispatch_dtypes)}, not {dispatch_dtype!r}")
+    inputs = inputs or cal.scenario()
     costs = cls.costs
     st = _stats(w)
+    factor = busiest_factor(w, cal, inputs, backend)
     T = w.tokens_per_call
     hidden = w.args.dim
     hier = costs.hierarchical
-    net_rows = T * max(st.max["network_out" if hier else "a2a_network_out"], st.max["network_in" if hier else "a2a_network_in"])
-    nvl_rows = T * max(st.max["nvlink_out" if hier else "a2a_nvlink_out"], st.max["nvlink_in" if hier else "a2a_nvlink_in"])
-    net_in = T * st.max["network_in"]
-    expert_rows = T * st.max["expert_rows"]
-    slots = T * st.max["recv_slots"]
+
+    def into(key: str) -> float:  # rows the busiest rank receives
+        return T * (st.max[key] if factor is None else st.mean[key] * factor)
+
+    net_rows = max(T * st.max["network_out" if hier else "a2a_network_out"], into("network_in" if hier else "a2a_network_in"))
+    nvl_rows = max(T * st.max["nvlink_out" if hier else "a2a_nvlink_out"], into("nvlink_in" if hier else "a2a_nvlink_in"))
+    net_in = into("network_in")
+    expert_rows = into("expert_rows")
+    slots = into("recv_slots")
     spec = [("dispatch", "dispatch", True), ("combine", "combine", True),
             ("combine backward", "dispatch", False), ("dispatch backward", "combine", False)]
+    fp8_on = {"dispatch": dispatch_dtype == "fp8", "combine backward": w.combine_grad_dtype == "fp8"}
     transfers = []
     hbm = _hbm_scale(cluster, hidden)
+    network_gbps = cluster.network_gbps * nic_share
     for name, kind, forward in spec:
-        fp8 = dispatch_dtype == "fp8" and name == "dispatch"
+        fp8 = fp8_on.get(name, False)
         rb = row_bytes(hidden, "fp8" if fp8 else "bf16", metadata=hier)
         t = Transfer(name, kind, forward, net_rows, nvl_rows, rb)
-        # each host round trip costs what the all-to-all path's costs per call
-        t.host_us = costs.host_syncs_per_dispatch * cal.nccl_call_us if name == "dispatch" else 0.0
+        t.host_us = host_us(costs, name, cal, inputs)
         if costs.transport == "NCCL":
             t.nvlink_us = t.nvlink_bytes / (_nccl_nvlink_gbps(cluster, cal) * 1e3)
         else:  # kernels on the backend's SMs, at their measured per-op costs
@@ -335,7 +418,7 @@ def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration,
             nvl_sms = sms if w.ep_nodes == 1 else sms - (w.network_sms or sms // 2)
             t.fixed_us = cal.kernel_floor_us + op.per_token_sm_us * (T + net_in) / sms
             t.nvlink_us = t.nvlink_bytes / (_sm_link_gbps(cluster, nvl_sms, op.link_efficiency) * 1e3)
-        t.network_us = t.network_bytes / (cluster.network_gbps * 1e3)
+        t.network_us = t.network_bytes / (network_gbps * 1e3)
         if costs.layout == "TorchTitan":
             t.layout_us = (cal.nccl_row_us if forward else cal.nccl_backward_row_us) / 2 * expert_rows * hbm
         elif costs.layout == "TorchTitan DeepEP":
@@ -349,7 +432,7 @@ def layer_comm(backend: str, w: Workload, cluster: Cluster, cal: Calibration,
         if fp8:  # the sender quantises its rows: read bf16, write e4m3 + scales
             t.layout_us += T * hidden * 3 / (cal.layout_hbm_efficiency * cluster.gpu.hbm_tbs * 1e6)
         transfers.append(t)
-    return LayerComm(cls.label(dispatch_dtype), w.ep_nodes, w.ranks_per_node, transfers, w.comm_recomputed, st)
+    return LayerComm(cls.label(dispatch_dtype), w.ep_nodes, w.ranks_per_node, transfers, w.comm_recomputed, st, factor)
 
 
 def _kernel_ops(transport: str, cal: Calibration) -> dict:
@@ -364,7 +447,9 @@ def _kernel_ops(transport: str, cal: Calibration) -> dict:
 # ------------------------------------------------------------------------------- the step
 
 
-OVERLAPS = ("none", "chunked", "dualpipev")
+OVERLAPS = ("none", "chunked", "microbatch", "dualpipev")
+# the step's terms no GPU idle share applies to: waits on links and on other ranks, not launches
+WAITING_TERMS = ("moe comm", "tp comm", "pp p2p", "pp bubble", "fsdp exposed")
 
 
 @dataclass
@@ -384,6 +469,9 @@ class StepPrediction:
     # what priced the compute: "layer bench" (moe_comm.predict.layer_compute.BENCH), with what it did not
     # measure and what stood in (moe_comm.predict.layer_compute's notes)
     compute_source: str = "layer bench"
+    scenario: str = "central"  # of assumptions.SCENARIOS: the unmeasured inputs it was made at
+    host_sync_ms: float = 0.0  # of terms_ms' moe comm: the host synchronisations' exposed share
+    tokens_per_step: float = 0.0  # tokens one GPU's step trains (local batch x seq / (cp x tp x pp))
 
     @property
     def comm_exposed_ms(self) -> float:
@@ -408,6 +496,15 @@ class StepPrediction:
         return self.comm.total(attr) * self.moe_calls_per_step
 
 
+def pair_cost(a: float, e: float, sm_share: float) -> tuple[float, float]:
+    """(exposed, compute slowdown) of communication `a` issued beside compute `e` on another
+    stream: its comm kernels hold sm_share of the GPU while they run, so the compute beside them
+    takes e / (1 - sm_share); the pair costs max(a - e, a x sm_share) beyond e - the comm's excess
+    where it outlasts the compute, else the compute's stretch while the comm runs."""
+    exposed = max(0.0, a - e)
+    return exposed, max(a - e, a * sm_share) - exposed
+
+
 def overlap_exposure(comm_us: tuple[float, float, float, float], compute_us: tuple[float, float, float],
                      sm_share: float) -> tuple[float, float]:
     """(exposed communication, compute slowdown), in us, of one MoE layer's pass under the
@@ -415,21 +512,50 @@ def overlap_exposure(comm_us: tuple[float, float, float, float], compute_us: tup
     experts on the compute stream. comm_us = (a0, a1, b0, b1): the first op of chunk 0, of chunk 1,
     then the second op of chunk 0, of chunk 1 (forward: dispatch, dispatch, combine, combine);
     compute_us = (s, e0, e1): the shared experts, then the routed experts of chunk 0 and 1. Stream
-    order: a0 under s, a1 under e0, b0 under e1, and b1 alone. The backward mirrors it (each op's
-    backward on its forward's stream: combine's backward first, under the routed experts'
-    backward), so the same function prices it with its ops and compute.
-
-    While a communication kernel runs, its SMs (sm_share of the GPU) are lost to the GEMMs
-    beside it: compute that takes e alone takes e / (1 - sm_share) under it. So a pair costs
-    max(a - e, a x sm_share) beyond e: the comm's excess when it outlasts the stretched
-    compute, else the compute's stretch while the comm runs."""
+    order: a0 under s, a1 under e0, b0 under e1, and b1 alone. The backward mirrors it: each op's
+    backward runs on its forward's stream in reverse order, so the first ops are the combines'
+    backwards (the gradient rows on their way to the experts), the second the dispatches'
+    backwards, each chunk's under the other chunk's routed experts' backward, and the same
+    function prices it with those ops and that compute (`pair_cost` each)."""
     a0, a1, b0, b1 = comm_us
     s, e0, e1 = compute_us
     exposed, slowdown = b1, 0.0
     for a, e in ((a0, s), (a1, e0), (b0, e1)):
-        exposed += max(0.0, a - e)
-        slowdown += max(a - e, a * sm_share) - max(0.0, a - e)
+        x, slow = pair_cost(a, e, sm_share)
+        exposed += x
+        slowdown += slow
     return exposed, slowdown
+
+
+def microbatch_pair_exposure(comm_us: dict, layer_ms: dict, sm_share: float) -> dict:
+    """(exposed, slowdown) of one MoE layer's communication in an overlapped pair of [moe_comm]
+    overlap = "microbatch" (moe_comm.titan.pipeline's docstring: what hides behind what), per
+    thread: "f" the forward's transfers, "b" the backward's. comm_us: per transfer name its time;
+    layer_ms: per layer part (moe_layer of layer_compute.RankCompute) its (fwd, bwd, recompute).
+    forward dispatch       behind the other microbatch's routed experts' backward;
+    backward dispatch      behind the routed experts' forward;
+    forward combine        behind the rest of the other block's backward (attention, router,
+                           norms), the shared experts' backward and, under AC, the block's
+                           recompute, which runs inline there;
+    combine's backward     behind the shared experts' forward and the next block's attention,
+                           router and norms forward."""
+    def part(name, i):
+        return layer_ms.get(name, (0.0, 0.0, 0.0))[i]
+
+    rest = ("attention.core", "attention.projections", "router", "rmsnorm", "residual_add")
+    norms = 2  # each block runs two norms and two residual adds
+    fwd_rest = sum(part(p, 0) * (norms if p in ("rmsnorm", "residual_add") else 1) for p in rest)
+    bwd_rest = sum(part(p, 1) * (norms if p in ("rmsnorm", "residual_add") else 1) for p in rest)
+    recompute = sum(v[2] * (norms if p in ("rmsnorm", "residual_add") else 1) for p, v in layer_ms.items())
+    pairs = {"f": ((comm_us["dispatch"], part("experts", 1)),
+                   (comm_us["combine"], bwd_rest + part("shared_expert", 1) + recompute)),
+             "b": ((comm_us["dispatch backward"], part("experts", 0)),
+                   (comm_us["combine backward"], part("shared_expert", 0) + fwd_rest))}
+    out = {}
+    for thread, both in pairs.items():
+        costs = [pair_cost(a, e, sm_share) for a, e in both]
+        out[thread] = (sum(c[0] for c in costs), sum(c[1] for c in costs))
+    return out
 
 
 def _chunk_us(t: Transfer) -> float:
@@ -437,12 +563,12 @@ def _chunk_us(t: Transfer) -> float:
     return t.host_us + t.fixed_us + (max(t.nvlink_us, t.network_us) + t.layout_us) / 2
 
 
-def _fsdp_ms(w: Workload, cluster: Cluster, cal: Calibration, v: int) -> tuple[float, float]:
-    """(total, exposed at best) FSDP collective time per step: bf16 all-gathers (twice without
-    PP: TorchTitan reshards after forward) and fp32 reduce-scatters, over NVLink or the network.
-    Without PP one unit's all-gather and reduce-scatter are not hidden (the first and last);
-    with PP each stage chunk unshards once before its first forward and reduces once after its
-    last backward, so one chunk's are (1/v of the rank's)."""
+def _fsdp_ms(w: Workload, cluster: Cluster, cal: Calibration, v: int) -> tuple[float, float, float]:
+    """(total, exposed at best, over the network) FSDP collective time per step: bf16 all-gathers
+    (twice without PP: TorchTitan reshards after forward) and fp32 reduce-scatters, over NVLink or
+    the network. Without PP one unit's all-gather and reduce-scatter are not hidden (the first and
+    last); with PP each stage chunk unshards once before its first forward and reduces once after
+    its last backward, so one chunk's are (1/v of the rank's)."""
     a, lay = w.args, w.layout
     p = estimate.count_params(a)
     routed = estimate.expert_params(a, a.moe_args.num_experts) * (a.n_layers - a.n_dense_layers)
@@ -456,10 +582,11 @@ def _fsdp_ms(w: Workload, cluster: Cluster, cal: Calibration, v: int) -> tuple[f
     spans_nodes = lay.dp_shard * lay.cp * lay.tp > cluster.gpus_per_node
     rate = cluster.network_gbps if spans_nodes else _nccl_nvlink_gbps(cluster, cal)
     total = total_bytes / (rate * 1e9) * 1e3
+    network = total if spans_nodes else 0.0
     if lay.pp > 1:
-        return total, total / v
+        return total, total / v, network
     units = a.n_layers + 1
-    return total, total / units * READ["fsdp_prefetch_units"].value * 2
+    return total, total / units * READ["fsdp_prefetch_units"].value * 2, network
 
 
 def _pp_rate_gbps(w: Workload, cluster: Cluster, cal: Calibration) -> float:
@@ -469,58 +596,92 @@ def _pp_rate_gbps(w: Workload, cluster: Cluster, cal: Calibration) -> float:
     return cluster.network_gbps if apart >= cluster.gpus_per_node else _nccl_nvlink_gbps(cluster, cal)
 
 
-def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispatch_dtype: str = "bf16") -> StepPrediction:
+# the most of the NIC the FSDP collectives beside the EP transfers are taken to hold
+MAX_FSDP_NIC_SHARE = 0.5
+
+
+def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispatch_dtype: str = "bf16",
+            scenario: str = "central") -> StepPrediction:
     """A step on the busiest pipeline rank, per microbatch split into forward f, input gradient
     bi (with any recompute) and weight gradient bw, which the schedule turns into a bubble
     (moe_comm.predict.schedule); the microbatches' work, the bubble, the optimizer, FSDP's
-    exposed collectives and the idle share add up to the step."""
+    exposed collectives and the GPU's idle share of its compute add up to the step. `scenario`:
+    the unmeasured inputs' values it is made at (assumptions.SCENARIOS; `predict_range` all)."""
     a, lay, gpu = w.args, w.layout, cluster.gpu
     if w.overlap not in OVERLAPS:
         raise ValueError(f"overlap {w.overlap!r}: choose one of {OVERLAPS}")
+    inputs = cal.scenario(scenario)
+    cluster = replace(cluster, network_efficiency=inputs.network_efficiency)
     ranks = estimate.pipeline_ranks(a, lay, w.local_batch, w.microbatch, w.pp_schedule, w.layers_per_stage)
     pipe = ranks[0].pipe
     if w.overlap == "dualpipev" and (pipe.name != "DualPipeV" or w.ac_mode != "none"):
         raise ValueError("the DualPipeV expert-parallel overlap needs pipeline_parallel_schedule DualPipeV and "
                          "activation_checkpoint mode none (TorchTitan refuses it with AC)")
+    if w.overlap == "microbatch" and (pipe.name != "Interleaved1F1B" or lay.pp == 1):
+        raise ValueError("the microbatch overlap runs pipeline_parallel_schedule Interleaved1F1B with PP "
+                         "(moe_comm.titan.pipeline)")
     T = w.tokens_per_call
     if cal.layer_bench is None:
         raise ValueError("the step model prices compute from the layer benchmark (layer_compute.BENCH, "
                          "moe_comm.predict.layer_compute); this calibration has none")
-    comm = layer_comm(backend, w, cluster, cal, dispatch_dtype)
-    t_d, t_c, t_cb, t_db = (t.time_us * 1e-6 for t in comm.transfers)
+    factor = busiest_factor(w, cal, inputs, backend)
     # the GPU share an overlapped comm kernel takes from the GEMMs beside it (NCCL's channels are
     # assumed to take the same num_sms)
     sm_share = w.num_sms / gpu.sms
     zero_bubble = pipe.name in schedule.ZERO_BUBBLE
     pp_rate = _pp_rate_gbps(w, cluster, cal) if lay.pp > 1 else 0.0
+    m = pipe.microbatches if lay.pp > 1 else 1
 
     notes: list[str] = []  # what the layer benchmark did not measure, and what stood in
     hbm_rate = cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12  # what the optimizer and copies reach
     chunk_f, chunk_b = (b / hbm_rate for b in estimate.chunked_expert_bytes(a, lay)) if w.overlap == "chunked" \
         else (0.0, 0.0)
+    computed = {r.rank: layer_compute.rank_ms(cal.layer_bench, w, gpu.name, r.layers, r.embedding, r.output,
+                                              peak_share=inputs.peak_share, imbalance=factor) for r in ranks}
+    for c in computed.values():
+        notes.extend(n for n in c.notes if n not in notes)
+    # FSDP's collectives run beside the compute, on the NIC the EP transfers use where both cross
+    # nodes: they take their share of it while they run (spread over the busiest rank's compute)
+    fsdp_total_ms, fsdp_least_ms, fsdp_network_ms = _fsdp_ms(w, cluster, cal, pipe.v)
+    compute_ms = max(sum(sum(v) for v in c.terms.values()) for c in computed.values()) * m
+    nic_share = 1.0
+    if w.ep_nodes > 1 and fsdp_network_ms:
+        nic_share = 1.0 - min(MAX_FSDP_NIC_SHARE, fsdp_network_ms / compute_ms)
+    comm = layer_comm(backend, w, cluster, cal, dispatch_dtype, inputs=inputs, nic_share=nic_share)
+    t_d, t_c, t_cb, t_db = (t.time_us * 1e-6 for t in comm.transfers)
+    h_d, h_c, h_cb, h_db = (t.host_us * 1e-6 for t in comm.transfers)
 
     def per_microbatch(rank) -> dict:
         """Seconds per microbatch on one rank, each as (f, bi, bw)."""
-        measured = layer_compute.rank_ms(cal.layer_bench, w, gpu.name, rank.layers, rank.embedding, rank.output)
+        measured = computed[rank.rank]
         terms = measured.seconds()
         gemm, attn, mem = (terms[t][0] for t in ("gemm", "attention", "memory-bound"))
         rec = {t: v / 1e3 for t, v in measured.recompute.items()}
-        shared, experts = (measured.moe_layer_fwd[p] / 1e3 for p in ("shared_expert", "experts"))
-        notes.extend(n for n in measured.notes if n not in notes)
+        layer = {p: tuple(x / 1e3 for x in v) for p, v in measured.moe_layer.items()}
+        shared, experts = layer["shared_expert"][0], layer["experts"][0]
         n_layers = len(rank.layers)
         # one MoE layer: its comm, exposed and hidden, and the compute it can hide behind
         bwd = 1.0 if zero_bubble else 2.0  # the experts' backward beside the comm: dgrad (+ wgrad)
         fwd_all, bwd_all = t_d + t_c, t_cb + t_db
         hidden = {"f": 0.0, "b": 0.0}
         slow = {"f": 0.0, "b": 0.0}
+        host = {"f": h_d + h_c, "b": h_cb + h_db}
         if w.overlap == "chunked":
             cd, cc, ccb, cdb = (_chunk_us(t) * 1e-6 for t in comm.transfers)
             fwd_all, bwd_all = 2 * (cd + cc), 2 * (ccb + cdb)  # what runs: every op twice, per chunk
+            host = {"f": 2 * host["f"], "b": 2 * host["b"]}
             ef, sf = overlap_exposure((cd, cd, cc, cc), (shared, experts / 2, experts / 2), sm_share)
-            eb, sb = overlap_exposure((cdb, cdb, ccb, ccb), (bwd * shared, bwd * experts / 2, bwd * experts / 2),
+            eb, sb = overlap_exposure((ccb, ccb, cdb, cdb), (bwd * shared, bwd * experts / 2, bwd * experts / 2),
                                       sm_share)
             hidden = {"f": fwd_all - ef, "b": bwd_all - eb}
             slow = {"f": sf, "b": sb}
+        elif w.overlap == "microbatch":
+            # the rank's share of forward and backward microbatch-stages in an overlapped pair
+            share = pipe.microbatch_pairs(rank.rank) / (pipe.microbatches * pipe.v)
+            x = microbatch_pair_exposure({t.name: t.time_us * 1e-6 for t in comm.transfers}, layer, sm_share)
+            hidden = {"f": share * (fwd_all - x["f"][0]), "b": share * (bwd_all - x["b"][0])}
+            slow = {"f": share * x["f"][1], "b": share * x["b"][1]}
+            host = {k: (1 - share) * v + share * min(v, x[k][0]) for k, v in host.items()}
         elif w.overlap == "dualpipev":
             # in an OVERLAP_F_B pair each of the forward chunk's comm ops runs beside half of the
             # backward chunk's layer compute, and the other way round (TorchTitan alternates one
@@ -528,17 +689,16 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
             layer_f = (gemm + attn + mem) / max(n_layers, 1)
             layer_b = 2 * layer_f
             share = pipe.overlapped_pairs / (2 * pipe.microbatches)
-            ef = sum(max(0.0, t - layer_b / 2) for t in (t_d, t_c))
-            eb = sum(max(0.0, t - layer_f / 2) for t in (t_cb, t_db))
-            sf = sum(max(t - layer_b / 2, t * sm_share) - max(0.0, t - layer_b / 2) for t in (t_d, t_c))
-            sb = sum(max(t - layer_f / 2, t * sm_share) - max(0.0, t - layer_f / 2) for t in (t_cb, t_db))
+            ef, sf = (sum(c) for c in zip(*(pair_cost(t, layer_b / 2, sm_share) for t in (t_d, t_c))))
+            eb, sb = (sum(c) for c in zip(*(pair_cost(t, layer_f / 2, sm_share) for t in (t_cb, t_db))))
             hidden = {"f": share * (fwd_all - ef), "b": share * (bwd_all - eb)}
             slow = {"f": share * sf, "b": share * sb}
         L = sum(1 for i in rank.layers if i >= a.n_dense_layers)
+        again = 1.0 if w.comm_recomputed else 0.0  # TorchTitan's full AC runs the forward's transfers again
         moe_f = L * (fwd_all - hidden["f"])
-        moe_b = L * (bwd_all - hidden["b"]) + (L * (fwd_all - hidden["f"]) if w.comm_recomputed else 0.0)
+        moe_b = L * (bwd_all - hidden["b"] + again * (fwd_all - hidden["f"]))
         slow_f = L * slow["f"]
-        slow_b = L * (slow["b"] + (slow["f"] if w.comm_recomputed else 0.0))
+        slow_b = L * (slow["b"] + again * slow["f"])
         terms["moe comm"] = (moe_f, moe_b, 0.0)
         terms["comm SM contention"] = (slow_f, slow_b, 0.0)
         # the experts once per chunk: the weight gradients added, weights re-cast under autocast
@@ -553,32 +713,32 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
         # activations forward and their gradients back, at every stage boundary the rank crosses
         pp = pipe.sends_per_microbatch * T * a.dim * 2 / (pp_rate * 1e9) if lay.pp > 1 else 0.0
         terms["pp p2p"] = (pp, pp, 0.0)
-        hid = L * (hidden["f"] + hidden["b"] + (hidden["f"] if w.comm_recomputed else 0.0))
-        return {"terms": terms, "hidden": hid, "moe_layers": L, "rank": rank,
-                "recompute": rec,
-                "moe_all": L * (fwd_all + bwd_all + (fwd_all if w.comm_recomputed else 0.0))}
+        hid = L * (hidden["f"] + hidden["b"] + again * hidden["f"])
+        return {"terms": terms, "hidden": hid, "moe_layers": L, "rank": rank, "recompute": rec,
+                "host": L * (host["f"] + host["b"] + again * host["f"]),
+                "moe_all": L * (fwd_all + bwd_all + again * fwd_all)}
 
     work = max((per_microbatch(r) for r in ranks), key=lambda x: sum(sum(v) for v in x["terms"].values()))
     terms3 = work["terms"]
     f = sum(v[0] for v in terms3.values())
     bi = sum(v[1] for v in terms3.values())
     bw = sum(v[2] for v in terms3.values())
-    m = pipe.microbatches if lay.pp > 1 else 1
     p = estimate.count_params(a)
     opt_s = optimizer_bytes(p.total / (lay.dp_shard * lay.cp * lay.tp * lay.pp)) / hbm_rate
     copies_s = estimate.param_copy_bytes(a, lay, work["rank"] if lay.pp > 1 else None, m) / hbm_rate
-    fsdp_total_ms, fsdp_least_ms = _fsdp_ms(w, cluster, cal, pipe.v)
-    compute_ms = sum(sum(terms3[k]) for k in ("gemm", "attention", "memory-bound")) * m * 1e3
-    fsdp_exposed_ms = min(fsdp_total_ms, fsdp_least_ms + max(0.0, fsdp_total_ms - compute_ms))
+    rank_compute_ms = sum(sum(terms3[k]) for k in ("gemm", "attention", "memory-bound")) * m * 1e3
+    fsdp_exposed_ms = min(fsdp_total_ms, fsdp_least_ms + max(0.0, fsdp_total_ms - rank_compute_ms))
     terms = {k: sum(v) * m * 1e3 for k, v in terms3.items()}
     terms["pp bubble"] = pipe.bubble(f, bi, bw) * 1e3 if lay.pp > 1 else 0.0
     terms["optimizer"] = opt_s * 1e3
     terms["param copies"] = copies_s * 1e3
     terms["fsdp exposed"] = fsdp_exposed_ms
-    # launch gaps and host work scale with the work, not with the bubble's waiting
-    terms["idle"] = (sum(terms.values()) - terms["pp bubble"]) * cal.idle_ratio
+    # launch gaps and host work scale with the kernels the GPU runs, not with its waits on links,
+    # other ranks or the bubble (the host synchronisations are priced in the transfers)
+    terms["idle"] = sum(v for k, v in terms.items() if k not in WAITING_TERMS) * inputs.idle_ratio
     step_ms = sum(terms.values())
-    tps = w.local_batch * w.seq_len / (step_ms * 1e-3) / (lay.cp * lay.tp * lay.pp)
+    tokens = w.local_batch * w.seq_len / (lay.cp * lay.tp * lay.pp)
+    tps = tokens / (step_ms * 1e-3)
     flops = p.flops_per_token(a, w.seq_len)
     mfu = 100 * flops * tps / (gpu.bf16_tflops * 1e12)
     return StepPrediction(
@@ -588,7 +748,62 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
         pipeline=pipe, moe_comm_ms=work["moe_all"] * m * 1e3, peak_tflops=gpu.bf16_tflops,
         recompute_ms={k: v * m * 1e3 for k, v in work["recompute"].items()},
         compute_source="layer bench" + (f" (not measured there: {'; '.join(notes)})" if notes else ""),
+        scenario=scenario, host_sync_ms=work["host"] * m * 1e3, tokens_per_step=tokens,
     )
+
+
+@dataclass(frozen=True)
+class PredictionRange:
+    """A prediction at each scenario of the unmeasured inputs (assumptions.SCENARIOS)."""
+
+    low: StepPrediction
+    central: StepPrediction
+    high: StepPrediction
+
+    def span(self, attr: str = "tokens_per_s_per_gpu") -> tuple[float, float, float]:
+        """(low, central, high) of a StepPrediction figure, in the scenarios' order."""
+        return tuple(getattr(getattr(self, s), attr) for s in SCENARIOS)
+
+    def overlaps(self, other: "PredictionRange") -> bool:
+        """Whether the two tokens/s ranges overlap: the model cannot tell which is faster."""
+        lo, _, hi = self.span()
+        lo2, _, hi2 = other.span()
+        return lo <= hi2 and lo2 <= hi
+
+
+def predict_range(backend: str, w: Workload, cluster: Cluster, cal: Calibration,
+                  dispatch_dtype: str = "bf16") -> PredictionRange:
+    """The prediction at the pessimistic end of every unmeasured input, at their central values,
+    and at the optimistic end."""
+    return PredictionRange(*(predict(backend, w, cluster, cal, dispatch_dtype, s) for s in SCENARIOS))
+
+
+# Whose kept tensors (estimate.comm_kept_bytes) a backend's recompute holds, by its transport.
+KEPT_BY_TRANSPORT = {"our kernels": "nvshmem", "DeepEP kernels": "deepep", "NCCL": "nccl"}
+
+
+def comm_kept_per_layer(w: Workload, backend: str) -> float:
+    """Bytes activation checkpointing keeps per MoE layer and microbatch so that the recompute
+    runs no dispatch or combine (moe_comm.titan.recompute; estimate.comm_kept_bytes, for the
+    backend's transport); 0 where the recompute re-runs them (TorchTitan's own model)."""
+    if w.recompute_comm or w.ac_mode == "none" or w.layout.ep < 1:
+        return 0.0
+    kind = KEPT_BY_TRANSPORT[backend_class(backend).costs.transport]
+    overlap = w.overlap if w.overlap in ("none", "chunked", "microbatch") else "none"
+    return estimate.comm_kept_bytes(w.args, w.tokens_per_call, w.layout.ep, kind, overlap=overlap,
+                                    recv_capacity_factor=w.recv_capacity_factor, ranks_per_node=w.ranks_per_node)
+
+
+def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
+    """The memory estimate of a workload run by `backend`: what its recompute keeps of each MoE
+    layer's communication, the microbatch overlap's one more microbatch-stage in flight, and the
+    CUDA graph pools of a backend whose MoE calls replay from graphs (our kernels')."""
+    graphs = (estimate.call_graph_bytes(w.args, w.tokens_per_call, w.layout.ep, w.recv_capacity_factor)
+              if backend_class(backend).costs.transport == "our kernels" else 0.0)
+    return estimate.memory_per_gpu(
+        w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch, w.pp_schedule, w.layers_per_stage,
+        comm_kept_per_layer=comm_kept_per_layer(w, backend), extra_chunks=1 if w.overlap == "microbatch" else 0,
+        call_graphs_per_layer=graphs)
 
 
 def predict_all(w: Workload, cluster: Cluster, cal: Calibration) -> dict[str, StepPrediction]:
@@ -627,12 +842,13 @@ def run_plan_for(backend: str, w: Workload, dispatch_dtype: str = "bf16") -> Run
     a, lay = w.args, w.layout
     options = MoEComm(backend=backend, num_sms=w.num_sms, network_sms=w.network_sms,
                       virtual_node_size=w.virtual_node_size, dispatch_dtype=dispatch_dtype,
-                      overlap="none" if w.overlap == "dualpipev" else w.overlap)
+                      overlap="none" if w.overlap == "dualpipev" else w.overlap, expert_dtype=w.expert_dtype,
+                      combine_grad_dtype=w.combine_grad_dtype)
     return RunPlan(options=options, device="cuda", ep=lay.ep, ranks_per_node=lay.procs_per_node, nodes=lay.nodes,
                    num_experts=a.moe_args.num_experts, top_k=a.moe_args.top_k, hidden=a.dim,
                    score_before_experts=a.moe_args.score_before_experts, converters=tuple(w.converters),
                    python_env="the cluster the model prices", activation_checkpoint=w.ac_mode,
-                   dual_pipe_v=w.overlap == "dualpipev")
+                   dual_pipe_v=w.overlap == "dualpipev", pp=lay.pp, pp_schedule=w.pp_schedule)
 
 
 def refusal(backend: str, w: Workload, dispatch_dtype: str = "bf16") -> str:

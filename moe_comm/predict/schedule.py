@@ -209,6 +209,23 @@ class Pipeline:
         crossing = stages - 1 - (1 if self.name in V_SHAPED else 0)
         return crossing / self.pp
 
+    def microbatch_pairs(self, rank: int) -> int:
+        """[moe_comm] overlap = "microbatch" (moe_comm.titan.pipeline.overlapped_order): the
+        forward-backward pairs rank `rank` runs as one overlapped action. Its order is torch's
+        Interleaved1F1B with one more warmup forward: forward k runs the rank's local stage
+        (k // r) % v, backward j stage v - 1 - (j // r) % v (r microbatches per round), and the
+        steady state pairs forward w + 1 + i with backward i (w: torch's warmup forwards), merged
+        where their stages differ; 0 for every other schedule. The bubble stays Interleaved1F1B's
+        (the extra forward delays no backward: tests/test_schedule.py replays both)."""
+        if self.name != "Interleaved1F1B" or self.pp == 1:
+            return 0
+        pp, m, v = self.pp, self.microbatches, self.v
+        per_round = m // max(1, m // pp)
+        total = m * v
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+        return sum(1 for i in range(max(0, total - warmup - 1))
+                   if ((warmup + 1 + i) // per_round) % v != v - 1 - (i // per_round) % v)
+
     @property
     def overlapped_pairs(self) -> int:
         """DualPipeV: the forward-and-backward chunk pairs rank 0 runs as one OVERLAP_F_B action
