@@ -1,7 +1,7 @@
 """Where a training step's host time and GPU idle go, run by run (issue 35 item 2).
 
     python experiments/host_profile.py --recipe recipes/deepseek_v3_671b_h200x1.toml --out OUT \\
-        --runs nvshmem nccl nvshmem-nographs=nvshmem,MOE_COMM_CUDA_GRAPHS=0 \\
+        --runs nvshmem nccl nvshmem-nographs=nvshmem,--moe_comm.cuda_graphs=false \\
         --steps 16 --sync-steps 9 10 --profile-steps 12 13 [-- TorchTitan overrides for every run]
 
 A run is LABEL=BACKEND[,NAME=VALUE...] (or just BACKEND): NAME=VALUE pairs are environment

@@ -91,6 +91,12 @@ class MoEComm:
     device-to-host copy per step line). experiments/routing_imbalance.py reads them. Not a backend
     option: it observes the router, whatever the backend."""
 
+    cuda_graphs: bool = True
+    """Replay each MoE call (dispatch, combine and their backwards) from a CUDA graph of its own
+    (nvshmem backend: moe_comm.kernels.call_graphs), which takes its launches and Python off the
+    host's path. Each graph keeps its outputs, about two expert-row tensors per MoE layer and call
+    kind (`check` counts them): false gives that memory back where a layout needs it."""
+
     peak_tflops: float = 0.0
     """Peak dense TFLOPS of one GPU for MFU; 0 means look it up from the GPU's name
     (moe_comm.metrics.peaks). Set it for a GPU the table does not know, or MFU is not logged."""

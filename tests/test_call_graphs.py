@@ -45,9 +45,10 @@ def expected(x, w, shape):
 
 
 def test_graphs_are_off_where_asked_or_not_on_cuda():
-    assert call_graphs.reason_off(torch.device("cuda"), environ={}) == ""
-    assert "MOE_COMM_CUDA_GRAPHS=0" in call_graphs.reason_off(torch.device("cuda"), {"MOE_COMM_CUDA_GRAPHS": "0"})
-    assert "not CUDA" in call_graphs.reason_off(torch.device("cpu"), environ={})
+    assert call_graphs.reason_off(torch.device("cuda"), True) == ""
+    assert "[moe_comm] cuda_graphs = false" in call_graphs.reason_off(torch.device("cuda"), False)
+    assert "not CUDA" in call_graphs.reason_off(torch.device("cpu"), True)
+    assert "[moe_comm] cuda_graphs = false" in call_graphs.summary([], False)
 
 
 def test_the_op_itself_runs_under_a_dispatch_mode(monkeypatch):
@@ -67,10 +68,10 @@ def test_the_footer_line_says_how_the_calls_ran():
                      "checkpointing's)": 6})
     b.counts.update({"replayed": 10, "captured": 2, "eager": 3})
     b.stopped = "its calls' inputs did not settle"
-    line = call_graphs.summary([a, b])
+    line = call_graphs.summary([a, b], True)
     assert line.startswith("100 of 115 MoE calls replayed from CUDA graphs (6 captured, 6 op itself, under a dispatch")
     assert line.endswith("3 eager: its calls' inputs did not settle)")
-    assert call_graphs.summary([]).startswith("MoE calls ran without CUDA graphs")
+    assert call_graphs.summary([], True).startswith("MoE calls ran without CUDA graphs")
 
 
 def test_key_is_every_input_where_it_sits():

@@ -80,10 +80,11 @@ def test_idle_gaps_go_to_their_causes():
 
 
 def test_runs_name_their_environment_and_overrides():
-    spec = host_profile.parse_run("nvshmem-prefetch=nvshmem,--training.dataloader.num_workers=1,MOE_COMM_CUDA_GRAPHS=0")
+    spec = host_profile.parse_run("nvshmem-prefetch=nvshmem,--training.dataloader.num_workers=1,"
+                                  "--moe_comm.cuda_graphs=false,NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=0")
     assert (spec.label, spec.backend) == ("nvshmem-prefetch", "nvshmem")
-    assert spec.env == {"MOE_COMM_CUDA_GRAPHS": "0"}
-    assert spec.overrides == ["--training.dataloader.num_workers", "1"]
+    assert spec.env == {"NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "0"}
+    assert spec.overrides == ["--training.dataloader.num_workers", "1", "--moe_comm.cuda_graphs", "false"]
     assert host_profile.parse_run("nccl").backend == "nccl"
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         host_profile.parse_run("x=nvshmem,oops")

@@ -172,6 +172,8 @@ class CommBackend(ABC):
     # W&B, identity.json: moe_comm.metrics.naming). num_sms, where it is one (the backend has an
     # SM budget), is also in its label in reports (`run_label`) and in the console header.
     IDENTITY_OPTIONS: ClassVar[tuple[str, ...]] = ()
+    # Its MoE calls replay from CUDA graphs ([moe_comm] cuda_graphs), whose pools the memory counts.
+    call_graphs: ClassVar[bool] = False
     # It holds NVSHMEM symmetric buffers, sized from the recipe (moe_comm.kernels.capacity),
     # outside torch's allocator: `check` prints them and the planner adds them to the memory.
     symmetric_heap: ClassVar[bool] = False
@@ -184,7 +186,7 @@ class CommBackend(ABC):
     # The [moe_comm] fields that configure a backend (`backend` picks one, `peak_tflops` is MFU's).
     OPTIONS: ClassVar[tuple[str, ...]] = (
         "num_sms", "max_tokens_per_rank", "recv_capacity_factor", "dispatch_dtype", "virtual_node_size",
-        "network_sms", "wait_timeout_s", "expert_dtype", "combine_grad_dtype",
+        "network_sms", "wait_timeout_s", "expert_dtype", "combine_grad_dtype", "cuda_graphs",
     )
 
     @classmethod

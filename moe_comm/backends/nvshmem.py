@@ -8,7 +8,7 @@ exists. Only the communication kernels run on the recipe's `num_sms` (`network_s
 drive the network hop); the plan, staging and expert-major layout run as local kernels over
 the whole GPU. There is no host synchronisation on the path: buffers and capacities are sized
 from the recipe, so a step can be captured in a CUDA graph, and each call replays from a graph
-of its own (moe_comm.kernels.call_graphs; MOE_COMM_CUDA_GRAPHS=0 turns that off). Nothing is
+of its own (moe_comm.kernels.call_graphs; [moe_comm] cuda_graphs = false turns that off). Nothing is
 dropped silently: a call that overflows a buffer, routes badly or waits past `wait_timeout_s`
 for a peer raises at the next call (or at `check_errors`), naming the field to change or the
 peer that did not answer.
@@ -67,6 +67,7 @@ class NvshmemBackend(CommBackend):
     sends_once_per_rank = True
     IDENTITY_OPTIONS = ("num_sms", "dispatch_dtype", "virtual_node_size", "network_sms")
     symmetric_heap = True
+    call_graphs = True
     color = "#d62728"
     costs = CostTraits(hierarchical=True, transport="our kernels", host_syncs_per_dispatch=0, layout="our kernels",
                        host_syncs_case="nvshmem_ep1")
@@ -217,7 +218,7 @@ class NvshmemBackend(CommBackend):
         self.runtime: NvshmemRuntime | None = None
         self.capacity = 0  # expert rows of the last dispatch
         # this layer's calls replayed from CUDA graphs (moe_comm.kernels.call_graphs), unless off
-        off = call_graphs.reason_off(torch.device("cuda"))
+        off = call_graphs.reason_off(torch.device("cuda"), self.config.cuda_graphs)
         self.graphs = None if off else call_graphs.CallGraphs(f"nvshmem backend, EP rank {self.ep_rank}")
         # a benchmark's emulated network link at EP 1 (moe_comm.kernels.emulated_link), else None
         self.emulated_link = emulated_link.for_backend(self.ep_size)

@@ -37,8 +37,8 @@ waits for the compute stream, where the previous call's outputs were read.
 
 Calls run as the op itself where a graph cannot stand in (`op_itself_because`: inside another capture,
 under torch.compile, under a dispatch mode such as selective activation checkpointing's), and
-every call does when `MOE_COMM_CUDA_GRAPHS=0` turns graphs off (to compare, or to rule them
-out; `reason_off` says why a process runs without them).
+every call does when `[moe_comm] cuda_graphs = false` turns graphs off (to give their memory back,
+to compare, or to rule them out; `reason_off` says why a process runs without them).
 
 The autograd of a graphed call is the op's own (moe_comm.kernels.ops: dispatch's backward is an
 unweighted combine, combine's is combine_backward), and the backward ops go through the same
@@ -54,15 +54,15 @@ from typing import Any, Callable
 import torch
 from torch.utils import _python_dispatch
 
-ENV = "MOE_COMM_CUDA_GRAPHS"
 MAX_INSTANCES = 12  # graphs one MoE layer keeps: 4 call kinds, x2 for chunks or recompute, and spare
 MAX_CAPTURES = 64  # captures one MoE layer may make before it stops trying (its inputs never settle)
 
 
-def reason_off(device: torch.device, environ=os.environ) -> str:
-    """Why this process's MoE calls on `device` cannot run from graphs ("" when they can)."""
-    if environ.get(ENV, "1") == "0":
-        return f"{ENV}=0 turned them off"
+def reason_off(device: torch.device, enabled: bool) -> str:
+    """Why this process's MoE calls on `device` run without graphs ("" when they run from them);
+    `enabled`: the recipe's [moe_comm] cuda_graphs."""
+    if not enabled:
+        return "[moe_comm] cuda_graphs = false"
     if device.type != "cuda":
         return f"the rows are on {device.type}, not CUDA"
     return ""
@@ -275,10 +275,11 @@ def run_backward_op(ctx, name: str, args: tuple) -> Any:
     return graphs.call(op, args)
 
 
-def summary(layers: list[CallGraphs]) -> str:
-    """One line on how a process's MoE calls ran, for the run's footer ("" without graphs)."""
+def summary(layers: list[CallGraphs], enabled: bool) -> str:
+    """One line on how a process's MoE calls ran, for the run's footer; `enabled`: the recipe's
+    [moe_comm] cuda_graphs."""
     if not layers:
-        return "MoE calls ran without CUDA graphs (" + (reason_off(torch.device("cuda")) or "none built") + ")"
+        return "MoE calls ran without CUDA graphs (" + (reason_off(torch.device("cuda"), enabled) or "none built") + ")"
     total: Counter = Counter()
     for g in layers:
         total.update(g.counts)

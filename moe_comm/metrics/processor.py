@@ -365,9 +365,9 @@ class MoECommMetricsProcessor(MetricsProcessor):
             self.expert_counts.close()
         super().close()
         backends = instrumented_backends()
-        if self.moe_comm.backend == "nvshmem" and backends:  # how its calls ran (moe_comm.kernels.call_graphs)
+        if backend_class(self.moe_comm.backend).call_graphs and backends:  # how its calls ran (moe_comm.kernels.call_graphs)
             layers = [b.graphs for b in backends if getattr(b, "graphs", None) is not None]
-            console.show(f"moe_comm: {call_graphs.summary(layers)}")
+            console.show(f"moe_comm: {call_graphs.summary(layers, self.moe_comm.cuda_graphs)}")
         console.show(self._footer(failure))
         if self.wandb_sync_dir:
             console.show(f"W&B run saved offline. Upload it with: wandb sync {self.wandb_sync_dir}")

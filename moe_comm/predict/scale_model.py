@@ -147,6 +147,7 @@ class Workload:
     # public anchors); ours never does (moe_comm.titan.recompute replays what the forward returned)
     recompute_comm: bool = False
     recv_capacity_factor: float = 0.0  # [moe_comm] recv_capacity_factor (the memory the recompute keeps)
+    cuda_graphs: bool = True  # [moe_comm] cuda_graphs (their pools, for a backend whose calls replay from them)
 
     @property
     def tokens_per_call(self) -> int:
@@ -208,7 +209,7 @@ def workload_from_recipe(r) -> Workload:
         layers_per_stage=c.parallelism.pipeline_parallel_layers_per_stage, overlap=overlap_for(c, r.layout),
         documents=dataset_documents(c.training.dataset, c.training.dataset_path), expert_dtype=mc.expert_dtype,
         combine_grad_dtype=mc.combine_grad_dtype, recompute_comm=c.model.name != OUR_MODEL_NAME,
-        recv_capacity_factor=mc.recv_capacity_factor,
+        recv_capacity_factor=mc.recv_capacity_factor, cuda_graphs=mc.cuda_graphs,
     )
 
 
@@ -799,7 +800,7 @@ def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
     layer's communication, the microbatch overlap's one more microbatch-stage in flight, and the
     CUDA graph pools of a backend whose MoE calls replay from graphs (our kernels')."""
     graphs = (estimate.call_graph_bytes(w.args, w.tokens_per_call, w.layout.ep, w.recv_capacity_factor)
-              if backend_class(backend).costs.transport == "our kernels" else 0.0)
+              if w.cuda_graphs and backend_class(backend).call_graphs else 0.0)
     return estimate.memory_per_gpu(
         w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch, w.pp_schedule, w.layers_per_stage,
         comm_kept_per_layer=comm_kept_per_layer(w, backend), extra_chunks=1 if w.overlap == "microbatch" else 0,

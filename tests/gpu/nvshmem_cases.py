@@ -486,7 +486,7 @@ class Cases:
         eager = self.backend(num_experts, top_k, hidden)
         eager.graphs = None
         graphed = self.backend(num_experts, top_k, hidden)
-        assert graphed.graphs is not None, "graphs are off in this process (MOE_COMM_CUDA_GRAPHS=0?)"
+        assert graphed.graphs is not None, "graphs are off for this backend ([moe_comm] cuda_graphs = false?)"
         T = 384
         x = torch.empty(T, hidden, dtype=torch.bfloat16, device=self.device)
         idx = torch.empty(T, top_k, dtype=torch.int64, device=self.device)
