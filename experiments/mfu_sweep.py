@@ -62,9 +62,11 @@ def plan(args: argparse.Namespace) -> list[RunSpec]:
     return specs
 
 
-def plot_sweep(results: list[RunResult], out: Path, runs: list[report.Run]) -> Path | None:
+def plot_sweep(results: list[RunResult], out: Path, runs: list[report.Run],
+               kernels: str | None) -> Path | None:
     """MFU and tokens/s against tokens per rank per step (batch x seq), one line per backend
-    and sequence length, in the backend's colour; the footer names what `runs` are."""
+    and sequence length, in the backend's colour; the footer names what `runs` are and the
+    kernels they were built from."""
     ok = [r for r in results if r.status == "ok" and r.spec.instrumented]
     if not ok:
         return None
