@@ -63,6 +63,8 @@ def flagship_workloads(cal):
     for ep, (pp, lb) in EP_LAYOUTS.items():
         ov = ["--parallelism.expert_parallel_degree", str(ep), "--parallelism.pipeline_parallel_degree", str(pp),
               "--training.local_batch_size", str(lb)]
+        if pp == 1:  # no pipeline schedule to overlap microbatches in: the overlap within a layer
+            ov += ["--moe_comm.overlap", "chunked"]
         r = recipe.load(str(REPO / FLAGSHIP), ov, device="cuda", check_paths=False)
         w = scale_model.workload_from_recipe(r)
         out[ep] = (w, scale_model.cluster_for("B200", r.layout.nodes, r.layout.procs_per_node, cal))
