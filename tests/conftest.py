@@ -14,6 +14,11 @@ the tests that need none run; a test that needs a run of its own says why in its
   main job exactly as a user runs it. Read them, never train into their folders again: copy one
   first (`shutil.copytree(run.dump, ...)`) to resume or extend it.
 A session that collects no test using them starts none of them.
+
+- `csrc_build` (a fixture): the CI build of csrc/ (`python -m moe_comm build --compile-only` for
+  sm_90 and sm_100, about 8 CPU-minutes), started in the background at the same moment, at a
+  lower priority, so it fills the cores the trainings leave idle; the tests that read it run
+  last.
 """
 
 import os
@@ -98,16 +103,64 @@ class _SharedRuns:
 _shared: _SharedRuns | None = None
 
 
+class _CsrcBuild:
+    """`python -m moe_comm build --compile-only` into a temporary folder, in the background."""
+
+    ARCHS = ("90", "100")
+
+    def __init__(self):
+        self.out = Path(tempfile.mkdtemp(prefix="moe_comm-csrc-build-"))
+        self.log = self.out / "build.log"
+        cmd = ["nice", "-n", "10", sys.executable, "-m", "moe_comm", "build", "--compile-only",
+               "--arch", *self.ARCHS, "--out", str(self.out / "build")]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self, timeout: float = 1800) -> Path:
+        """The build folder once the build has ended; its output names what failed."""
+        rc = self.proc.wait(timeout=timeout)
+        assert rc == 0, f"the csrc build failed ({rc}):\n{self.log.read_text()[-6000:]}"
+        return self.out / "build"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.out, ignore_errors=True)
+
+
+_csrc: _CsrcBuild | None = None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that wait for the background csrc build run last (the build has the whole session)."""
+    waiting = [item for item in items if "csrc_build" in getattr(item, "fixturenames", ())]
+    items[:] = [item for item in items if item not in waiting] + waiting
+
+
 def pytest_collection_finish(session):
-    """Start SHARED_RUNS as soon as the tests are known, if any of them reads one."""
-    global _shared
+    """Start SHARED_RUNS and the csrc build as soon as the tests are known, if any reads them."""
+    global _shared, _csrc
     if any("shared_run" in getattr(item, "fixturenames", ()) for item in session.items):
         _shared = _SharedRuns()
+    if any("csrc_build" in getattr(item, "fixturenames", ()) for item in session.items):
+        _csrc = _CsrcBuild()
 
 
 def pytest_sessionfinish(session):
     if _shared is not None:
         _shared.close()
+    if _csrc is not None:
+        _csrc.close()
+
+
+@pytest.fixture(scope="session")
+def csrc_build() -> Path:
+    """The folder `python -m moe_comm build --compile-only` built csrc/ into (obj/, dlink.o)."""
+    global _csrc
+    if _csrc is None:
+        _csrc = _CsrcBuild()
+    return _csrc.result()
 
 
 @pytest.fixture(scope="session")

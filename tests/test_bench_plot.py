@@ -4,11 +4,11 @@ ones on a log axis next to a zoom on the fast ones."""
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from PIL import Image
+
+from in_process import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "results" / "model_inputs" / "comm_bench_h200x2.json"
@@ -17,9 +17,8 @@ COMMITTED = REPO / "results" / "model_inputs" / "comm_bench_h200x2.json"
 def test_plot_from_the_committed_json(tmp_path):
     merged = tmp_path / "comm_bench.json"
     shutil.copy(COMMITTED, merged)
-    cmd = [sys.executable, str(REPO / "experiments" / "bench_comm.py"), "plot", str(merged), "--date", "2026-11-30",
-           "--kernels", "73fe4c2", "--png", str(tmp_path / "plot.png")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_script(REPO / "experiments" / "bench_comm.py", "plot", str(merged), "--date", "2026-11-30",
+                      "--kernels", "73fe4c2", "--png", str(tmp_path / "plot.png"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     png = Image.open(tmp_path / "plot.png")
     footer = png.text["Description"]
@@ -33,9 +32,9 @@ def test_plot_from_the_committed_json(tmp_path):
 def test_report_records_the_date_for_later_plots(tmp_path):
     raw = REPO / "results" / "h200x2" / "raw"
     out = tmp_path / "merged.json"
-    cmd = [sys.executable, str(REPO / "experiments" / "bench_comm.py"), "report",
-           *(str(raw / f) for f in ("bench_p2p.json", "bench_main.json", "bench_symm.json")), "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_script(REPO / "experiments" / "bench_comm.py", "report",
+                      *(str(raw / f) for f in ("bench_p2p.json", "bench_main.json", "bench_symm.json")), "--json", str(out),
+                      cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = json.loads(out.read_text())
     assert len(merged["date"]) == 10  # YYYY-MM-DD: the raw files carry none, so today's

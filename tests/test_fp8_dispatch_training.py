@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from in_process import run_script
 
 from moe_comm.metrics import keys
 
@@ -41,8 +42,7 @@ FAKE_TRAIN = textwrap.dedent(
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "results"), "--no-wandb", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return run_script(SCRIPT, "--out", str(tmp_path / "results"), "--no-wandb", *args, cwd=REPO)
 
 
 @pytest.fixture

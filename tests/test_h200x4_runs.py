@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments import h200x4_runs  # noqa: E402
+from in_process import run_script  # noqa: E402
 
 
 def test_every_group_is_a_command_fp8_dispatch_training_takes(tmp_path):
@@ -21,8 +22,7 @@ def test_every_group_is_a_command_fp8_dispatch_training_takes(tmp_path):
         split = cmd.index("--")
         argv = cmd[2:split] + ["--dataset-path", "./assets/tiny/c4_tiny", "--tokenizer", "./assets/tiny",
                                "--dry-run"] + cmd[split:]
-        proc = subprocess.run([sys.executable, "experiments/fp8_dispatch_training.py", *argv], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        proc = run_script(REPO / "experiments" / "fp8_dispatch_training.py", *argv, cwd=REPO)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         lines = proc.stdout.strip().splitlines()
         assert len(lines) == len(g.runs)

@@ -4,16 +4,17 @@ against the estimate `check` computes for the same overrides, a failed run is re
 others go on, and the report rebuilds the table from the JSON."""
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from moe_comm import recipe
 from moe_comm.predict import estimate, scale_model
+from in_process import run_script
 from moe_comm.metrics import keys
 
 REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "experiments" / "memory_check.py"
 RECIPE = "recipes/deepseek_v3_671b_h200x1.toml"
 
 # Stands in for `python -m moe_comm train`: peaks grow with the batch, fall with AC, and step 3
@@ -49,10 +50,8 @@ def test_runs_compare_measured_peaks_with_the_estimate(tmp_path):
     fake = tmp_path / "fake_train.py"
     fake.write_text(FAKE_TRAIN.format(active=keys.MEM_ACTIVE, reserved=keys.MEM_RESERVED, tps=keys.TPS))
     out = tmp_path / "results"
-    cmd = [sys.executable, str(REPO / "experiments" / "memory_check.py"), "--recipe", RECIPE, "--steps", "4",
-           "--configs", "none:1", "selective:2", "full:4", "full:2", "--out", str(out),
-           "--launcher", f"{sys.executable} {fake}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(SCRIPT, "--recipe", RECIPE, "--steps", "4", "--configs", "none:1", "selective:2", "full:4",
+                      "full:2", "--out", str(out), "--launcher", f"{sys.executable} {fake}", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((out / "memory_check.json").read_text())
     rows = {(r["ac"], r["local_batch"]): r for r in doc["rows"]}
@@ -71,18 +70,15 @@ def test_runs_compare_measured_peaks_with_the_estimate(tmp_path):
         assert "--activation_checkpoint.mode " + mode in row["run"]["command"]
     assert "| selective | 2 |" in proc.stdout and "| full | 4 | - |" in proc.stdout
 
-    again = subprocess.run([sys.executable, str(REPO / "experiments" / "memory_check.py"), "--out", str(out),
-                            "--report-only"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    again = run_script(SCRIPT, "--out", str(out), "--report-only", cwd=REPO)
     assert again.returncode == 0 and "| none | 1 |" in again.stdout
 
 
 def test_estimate_only_and_bad_config():
-    proc = subprocess.run([sys.executable, str(REPO / "experiments" / "memory_check.py"), "--estimate-only"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(SCRIPT, "--estimate-only", cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     first = _estimate("none", 1).total / estimate.GiB
     assert f"AC none      local batch 1: {first:6.1f} GiB in use" in proc.stdout
     assert len(proc.stdout.strip().splitlines()) == 4
-    bad = subprocess.run([sys.executable, str(REPO / "experiments" / "memory_check.py"), "--estimate-only",
-                          "--configs", "partial:2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    bad = run_script(SCRIPT, "--estimate-only", "--configs", "partial:2", cwd=REPO)
     assert bad.returncode != 0 and "AC_MODE:LOCAL_BATCH" in bad.stderr

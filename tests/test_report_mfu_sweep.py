@@ -3,14 +3,15 @@ every run, a failed (OOM) run recorded with its error tail while the sweep goes 
 results JSON, the plots and the instrumentation-cost pairs."""
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+from in_process import run_script
 from moe_comm.metrics import keys
 
 REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "experiments" / "mfu_sweep.py"
 
 # Stands in for `python -m moe_comm train`: writes a JSONL like a real run, or dies like an OOM.
 # Stands in for `python -m moe_comm train`: writes a JSONL like a real run (key names filled in
@@ -46,11 +47,10 @@ def test_sweep_survives_a_failed_run(tmp_path):
         tps=keys.TPS, mfu=keys.MFU, step_ms=keys.STEP_MS, dispatch=keys.DISPATCH_MS,
         combine=keys.COMBINE_MS, exposed=keys.COMM_EXPOSED_PCT))
     out = tmp_path / "results"
-    cmd = [sys.executable, str(REPO / "experiments" / "mfu_sweep.py"),
-           "--recipe", "recipes/some.toml", "--backends", "nccl", "nvshmem", "--batch", "2", "4",
+    cmd = ["--recipe", "recipes/some.toml", "--backends", "nccl", "nvshmem", "--batch", "2", "4",
            "--seq", "128", "--steps", "4", "--out", str(out), "--name", "sweep", "--no-wandb",
            "--instrument-cost", "--launcher", f"{sys.executable} {fake}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_script(SCRIPT, *cmd, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     results = json.loads((out / "sweep.json").read_text())
@@ -81,9 +81,8 @@ def test_sweep_survives_a_failed_run(tmp_path):
     assert "for results/README.md:\n    python experiments/mfu_sweep.py --recipe recipes/some.toml" in proc.stdout
 
     # --resume keeps the 8 recorded runs; --budget-s stops after one new run (of 4 with batch 8)
-    resumed = subprocess.run(cmd[:cmd.index("--batch") + 1] + ["2", "4", "8"] + cmd[cmd.index("--batch") + 3:]
-                             + ["--resume", "--budget-s", "0.001"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    resumed = run_script(SCRIPT, *cmd[:cmd.index("--batch") + 1], "2", "4", "8", *cmd[cmd.index("--batch") + 3:],
+                         "--resume", "--budget-s", "0.001", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "4 runs to do, 8 kept from before" in resumed.stdout
     assert "with 3 runs left: run the same command with --resume" in resumed.stdout
@@ -95,7 +94,6 @@ def test_sweep_survives_a_failed_run(tmp_path):
     moved = tmp_path / "moved"
     out.rename(moved)
     (moved / "sweep" / "report.md").unlink()
-    rebuilt = subprocess.run([sys.executable, str(REPO / "experiments" / "mfu_sweep.py"), "--out", str(moved),
-                              "--name", "sweep", "--report-only"], capture_output=True, text=True, timeout=300)
+    rebuilt = run_script(SCRIPT, "--out", str(moved), "--name", "sweep", "--report-only", cwd=tmp_path)
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
     assert "| r | nvshmem | b2xs128 | 2,400 | 1.200 |" in (moved / "sweep" / "report.md").read_text()
