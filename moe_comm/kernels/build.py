@@ -90,7 +90,10 @@ def _gencode(archs: tuple[str, ...]) -> list[str]:
 
 
 def cache_key(archs: tuple[str, ...]) -> str:
+    """What a build depends on: every source and header of csrc/, this file (its flags), the
+    architectures, torch, nvcc and the NVSHMEM wheel."""
     h = hashlib.sha256()
+    h.update(Path(__file__).read_bytes())
     cuda, host = _sources()
     headers = list(CSRC.rglob("*.h")) + list(CSRC.rglob("*.cuh"))
     for path in sorted(cuda + host + headers):
