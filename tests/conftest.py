@@ -208,3 +208,25 @@ def group(tmp_path_factory):
     yield dist.group.WORLD
     if made:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo group over an in-memory store, for one test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_thread():
+    """Torch's intra-op threads crawl when the cores are oversubscribed (a shared CI machine):
+    one thread keeps the small in-process models at about a second each."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -149,13 +149,6 @@ def test_its_runs_are_named_by_its_identity_options(dummy):
     assert naming.run_name(identity) == "debug_cpu-dummy-sm20-1x2-ep2-b2x256-fp32"
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_the_metrics_processor_and_report_ask_its_class(dummy, world_of_one, tmp_path, caplog, monkeypatch):
     import moe_comm.titan  # noqa: F401  the CPU adaptations
     from torchtitan.config import ConfigManager

@@ -23,13 +23,6 @@ TOPK_IDX_RANK0 = torch.tensor([[0, 2], [2, 3], [1, 0]])
 TOPK_IDX_RANK1 = torch.tensor([[3, 2], [3, 2], [3, 2]])
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _leaving(topk_idx_TK, ep_rank, once_per_rank, ep_size=2, num_experts=4):
     rows_E = rows_per_expert(topk_idx_TK, num_experts)
     return rows_leaving_rank(

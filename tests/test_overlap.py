@@ -64,6 +64,8 @@ from moe_comm.metrics.step_line import StepLine
 from moe_comm.titan import overlap
 from moe_comm.titan.model import MoECommDeepSeekV3Model, TokenLevelExperts, TokenLevelMoE
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 
 # "chunked" against "none", fp32 on CPU: relative bound on the loss and on each gradient (module doc
@@ -71,23 +73,6 @@ REPO = Path(__file__).resolve().parents[1]
 # gradients summed over two chunks). ~100 fp32 ulps; a wrong chunk (a row lost, doubled or sent
 # to the wrong expert) moves them by orders of magnitude more.
 CHUNKED_RTOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Torch's intra-op threads crawl when the cores are oversubscribed (a shared CI machine):
-    one thread keeps these small models at about a second each."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _debug_args():

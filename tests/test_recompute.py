@@ -29,22 +29,9 @@ from moe_comm.predict.estimate import comm_kept_bytes
 from moe_comm.titan import recompute
 from moe_comm.titan.model import MoECommDeepSeekV3Model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 AC_MODES = ["full", "selective:1", "selective:op"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture
