@@ -39,7 +39,6 @@ from one thread (chunked) and from two (one microbatch's forward beside another'
 """
 
 import contextlib
-import copy
 import json
 import os
 import subprocess
@@ -64,6 +63,9 @@ from moe_comm.metrics.step_line import StepLine
 from moe_comm.titan import overlap
 from moe_comm.titan.model import MoECommDeepSeekV3Model, TokenLevelExperts, TokenLevelMoE
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))  # the GPU cases' modules, which run on CPU too
+from overlap_cases import debug_model_args  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,16 +77,6 @@ REPO = Path(__file__).resolve().parents[1]
 CHUNKED_RTOL = 1e-5
 
 
-def _debug_args():
-    from torchtitan.models.deepseek_v3 import deepseekv3_args
-
-    args = copy.deepcopy(deepseekv3_args["debugmodel"])
-    args.moe_impl = "standard"  # update_from_config sets these in a run; on CPU grouped_mm is off
-    args.moe_args.use_grouped_mm = False
-    args.n_layers = 3  # one dense layer and two MoE layers
-    return args
-
-
 def _model(ac: str, config: MoEComm) -> MoECommDeepSeekV3Model:
     """TorchTitan's debug model with our MoE layers, every MoE layer on an instrumented nccl
     backend over the world of one, and TorchTitan's activation checkpointing."""
@@ -93,7 +85,7 @@ def _model(ac: str, config: MoEComm) -> MoECommDeepSeekV3Model:
     from moe_comm.titan import recompute
 
     torch.manual_seed(0)
-    model = MoECommDeepSeekV3Model(_debug_args())
+    model = MoECommDeepSeekV3Model(debug_model_args())
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     for block in model.layers.values():
@@ -209,7 +201,7 @@ class RecordingBackend:
 
 
 def _recorded_layer(monkeypatch, dual_pipe_v=False, overlap_mode="chunked"):
-    args = _debug_args()
+    args = debug_model_args()
     torch.manual_seed(0)
     moe = TokenLevelMoE(args.moe_args, dim=args.dim, hidden_dim=args.moe_inter_dim)
     with torch.no_grad():
@@ -610,7 +602,6 @@ def test_chunked_matches_plain_ep2_full_ac(tmp_path):
 # ---- the GPU cases, run on CPU: the cases themselves, not the streams ---------------------------
 
 def test_gpu_overlap_cases_run_on_cpu(world_of_one):
-    sys.path.insert(0, str(REPO / "tests" / "gpu"))
     import overlap_cases
     from oracles import routing
 

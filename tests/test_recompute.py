@@ -14,7 +14,8 @@ selective AC, each with overlap "none" and "chunked":
 Under torchrun the EP 2 training with full AC counts the calls too (tests/test_overlap.py).
 """
 
-import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,9 @@ from moe_comm.metrics import instrument
 from moe_comm.predict.estimate import comm_kept_bytes
 from moe_comm.titan import recompute
 from moe_comm.titan.model import MoECommDeepSeekV3Model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))  # the GPU cases' modules, which run on CPU too
+from overlap_cases import debug_model_args  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,16 +53,6 @@ def calls(monkeypatch):
     return counts
 
 
-def _args():
-    from torchtitan.models.deepseek_v3 import deepseekv3_args
-
-    args = copy.deepcopy(deepseekv3_args["debugmodel"])
-    args.moe_impl = "standard"
-    args.moe_args.use_grouped_mm = False
-    args.n_layers = 3  # one dense layer and two MoE layers
-    return args
-
-
 def _model(ac: str, overlap: str, ours: bool) -> MoECommDeepSeekV3Model:
     """The debug model with every MoE layer on an instrumented nccl backend; AC through
     moe_comm.titan.recompute (`ours`) or TorchTitan's own apply_ac."""
@@ -68,7 +62,7 @@ def _model(ac: str, overlap: str, ours: bool) -> MoECommDeepSeekV3Model:
     from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list
 
     torch.manual_seed(0)
-    model = MoECommDeepSeekV3Model(_args())
+    model = MoECommDeepSeekV3Model(debug_model_args())
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     for block in model.layers.values():

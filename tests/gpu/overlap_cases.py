@@ -106,18 +106,27 @@ def calls_in_flight(rank, world, device, route, backend, hidden, num_experts, to
     assert not errors, errors
 
 
+def debug_model_args(grouped_mm: bool = False):
+    """TorchTitan's debug model cut to one dense and two MoE layers, with its standard MoE (the
+    one our layers replace); `grouped_mm` selects the experts' grouped GEMM (GPU only: on CPU
+    TorchTitan's for-loop experts run, as update_from_config sets in a run)."""
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    args = copy.deepcopy(deepseekv3_args["debugmodel"])
+    args.moe_impl = "standard"
+    args.moe_args.use_grouped_mm = grouped_mm
+    args.n_layers = 3
+    return args
+
+
 def _model(rank, world, device, make_backend, ac, grouped_mm):
     from torchtitan.config.job_config import ActivationCheckpoint
-    from torchtitan.models.deepseek_v3 import deepseekv3_args
 
     from moe_comm.metrics import instrument
     from moe_comm.titan import recompute
     from moe_comm.titan.model import MoECommDeepSeekV3Model
 
-    args = copy.deepcopy(deepseekv3_args["debugmodel"])
-    args.moe_impl = "standard"
-    args.n_layers = 3
-    args.moe_args.use_grouped_mm = grouped_mm
+    args = debug_model_args(grouped_mm)
     torch.manual_seed(0)  # the same weights on every rank; each rank keeps its experts' slice
     with torch.device(device):
         model = MoECommDeepSeekV3Model(args)
