@@ -1,5 +1,5 @@
-"""Run an experiments/ script in this process as its command line would, for tests that read its
-exit status and output.
+"""Run an experiments/ script, or a `python -m moe_comm` verb, in this process as its command
+line would, for tests that read its exit status and output.
 
 Why: a fresh interpreter spends 5-25 s importing torch, TorchTitan and matplotlib on a 2-core
 machine, which the suite's own process has already paid; the script itself runs in milliseconds
@@ -17,22 +17,21 @@ import traceback
 from pathlib import Path
 
 
-def run_script(script: Path, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGV...` from `cwd`: its exit status (SystemExit's code, 1 for an uncaught
-    exception, whose traceback goes to stderr as the interpreter would print it), stdout, stderr."""
+def _captured(call, cwd: Path | None) -> tuple[int, str, str]:
+    """call() from `cwd` with stdout and stderr captured: (exit status, stdout, stderr). The status
+    is call()'s return value or SystemExit's code, 1 for an uncaught exception, whose traceback
+    goes to stderr as the interpreter would print it."""
     out, err = io.StringIO(), io.StringIO()
-    saved = sys.argv, list(sys.path), os.getcwd()
-    sys.argv = [str(script), *argv]
-    sys.path.insert(0, str(script.parent))  # the script's own folder first, as `python SCRIPT` has it
-    os.chdir(cwd)
-    code = 0
+    saved_cwd = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
     enable = faulthandler.enable
     # faulthandler writes to a file descriptor, which the captured stderr has not: the process's own
     faulthandler.enable = lambda file=sys.__stderr__, all_threads=True: enable(file, all_threads)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                runpy.run_path(str(script), run_name="__main__")
+                code = call() or 0
             except SystemExit as e:
                 if e.code is None or isinstance(e.code, int):
                     code = e.code or 0
@@ -44,6 +43,25 @@ def run_script(script: Path, *argv: str, cwd: Path) -> subprocess.CompletedProce
                 code = 1
     finally:
         faulthandler.enable = enable
-        sys.argv, sys.path[:] = saved[0], saved[1]
-        os.chdir(saved[2])
-    return subprocess.CompletedProcess([sys.executable, str(script), *argv], code, out.getvalue(), err.getvalue())
+        os.chdir(saved_cwd)
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_script(script: Path, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGV...` from `cwd`."""
+    saved = sys.argv, list(sys.path)
+    sys.argv = [str(script), *argv]
+    sys.path.insert(0, str(script.parent))  # the script's own folder first, as `python SCRIPT` has it
+    try:
+        code, out, err = _captured(lambda: runpy.run_path(str(script), run_name="__main__"), cwd)
+    finally:
+        sys.argv, sys.path[:] = saved
+    return subprocess.CompletedProcess([sys.executable, str(script), *argv], code, out, err)
+
+
+def run_verb(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m moe_comm ARGV...` (from `cwd` when given)."""
+    from moe_comm.__main__ import main
+
+    code, out, err = _captured(lambda: main(list(argv)), cwd)
+    return subprocess.CompletedProcess([sys.executable, "-m", "moe_comm", *argv], code, out, err)

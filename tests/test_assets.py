@@ -11,9 +11,7 @@ Face hub (tests/fake_hub.py, HF_ENDPOINT), serving the repos the flagship recipe
   goes and what to do, and exits 1.
 """
 
-import contextlib
 import gzip
-import io
 import json
 import subprocess
 from pathlib import Path
@@ -22,6 +20,7 @@ import pytest
 import yaml
 
 from fake_hub import FakeHub
+from in_process import run_verb
 
 REPO = Path(__file__).resolve().parents[1]
 FLAGSHIP = "recipes/deepseek_v3_671b_b200.toml"
@@ -55,24 +54,17 @@ def _assets(tmp_path, env_extra: dict, *args: str) -> subprocess.CompletedProces
     set there, for this call only."""
     from huggingface_hub import constants
 
-    from moe_comm.__main__ import main
-
     endpoint = env_extra.get("HF_ENDPOINT", constants._HF_DEFAULT_ENDPOINT).rstrip("/")
     settings = {"ENDPOINT": endpoint,
                 "HUGGINGFACE_CO_URL_TEMPLATE": endpoint + "/{repo_id}/resolve/{revision}/{filename}",
                 "HF_HUB_OFFLINE": env_extra.get("HF_HUB_OFFLINE") == "1",
                 "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_CACHE": str(tmp_path / "hf_home" / "hub"),
                 "HF_HUB_DISABLE_TELEMETRY": True}
-    argv = ["assets", FLAGSHIP, "--model.hf_assets_path", str(tmp_path / "tok"),
-            "--training.dataset_path", str(tmp_path / "c4"), *args]
-    out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         for name, value in settings.items():
             mp.setattr(constants, name, value)
-        mp.chdir(REPO)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main(argv)
-    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
+        return run_verb("assets", FLAGSHIP, "--model.hf_assets_path", str(tmp_path / "tok"),
+                        "--training.dataset_path", str(tmp_path / "c4"), *args, cwd=REPO)
 
 
 def test_fetches_the_flagships_tokenizer_and_stages_its_c4_shards(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from moe_comm.cluster.sbatch import REPO
+from in_process import run_verb
 from slurm_cluster import GPU_PARTITION, LIVE_PARTITION, LocalSlurm
 
 pytestmark = pytest.mark.slurm
@@ -46,15 +47,7 @@ def submit(slurm: LocalSlurm, recipe: Path, *rest: str, timeout: float = 300) ->
 
 def render(recipe: Path, *rest: str) -> subprocess.CompletedProcess:
     """`submit --dry-run` in this process (a fresh one costs seconds of imports): the job script."""
-    import contextlib
-    import io
-
-    from moe_comm.__main__ import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["submit", str(recipe), "--dry-run", *rest])
-    return subprocess.CompletedProcess(["submit", str(recipe)], rc, out.getvalue(), err.getvalue())
+    return run_verb("submit", str(recipe), "--dry-run", *rest)
 
 
 CPU_FLAGS = ("--cluster.partition", LIVE_PARTITION, "--cluster.request_gpus", "false",

@@ -1,16 +1,14 @@
 """The rendered job script and the submit checks, without a Slurm cluster (fast)."""
 
 import argparse
-import contextlib
-import io
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_verb
 
-from moe_comm.__main__ import main as moe_comm_main
 from moe_comm import recipe
 from moe_comm.cluster import submit
 from moe_comm.cluster.sbatch import REPO
@@ -23,10 +21,8 @@ CPU_FLAGS = ["--cluster.request_gpus", "false", "--cluster.env_file", "slurm/env
 def _submit(recipe: Path, *rest: str) -> tuple[int, str, str]:
     """`python -m moe_comm submit RECIPE --dry-run REST...`, in this process (TorchTitan is
     imported once for the whole module instead of once per call)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = moe_comm_main(["submit", str(recipe), "--dry-run", *rest])
-    return rc, out.getvalue(), err.getvalue()
+    proc = run_verb("submit", str(recipe), "--dry-run", *rest)
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 def dry_run(recipe: Path, *rest: str) -> str:
