@@ -115,11 +115,11 @@ class _CsrcBuild:
         from moe_comm.kernels.build import cache_key, default_cache_dir
 
         self.kept = default_cache_dir() / f"{cache_key(self.ARCHS)}-check"
-        self.out = Path(tempfile.mkdtemp(prefix="moe_comm-csrc-build-"))
-        self.log = self.out / "build.log"
-        self.proc = None
+        self.out = self.proc = None
         if (self.kept / "obj" / "dlink.o").is_file():
             return
+        self.out = Path(tempfile.mkdtemp(prefix="moe_comm-csrc-build-"))
+        self.log = self.out / "build.log"
         cmd = ["nice", "-n", "10", sys.executable, "-m", "moe_comm", "build", "--compile-only",
                "--arch", *self.ARCHS, "--out", str(self.out / "build")]
         with open(self.log, "w") as log:
@@ -143,7 +143,8 @@ class _CsrcBuild:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        shutil.rmtree(self.out, ignore_errors=True)
+        if self.out is not None:
+            shutil.rmtree(self.out, ignore_errors=True)
 
 
 _csrc: _CsrcBuild | None = None
