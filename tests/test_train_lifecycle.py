@@ -214,11 +214,20 @@ def test_extending_a_finished_run_says_the_schedule_changes(resumed):
 
 
 def test_the_first_step_after_a_resume_is_one_steps_time(resumed):
-    """It was divided by the 5 steps since step 0 (0.35-0.50 s/step against 5.5 s real)."""
+    """It was divided by the 5 steps since step 0 (0.35-0.50 s/step against 5.5 s real).
+
+    Every per-step figure of a log line shares that divisor, so the bytes sent (fixed by the
+    batch, up to routing) show it exactly: a fifth of the next step's under the bug. Times on
+    this oversubscribed CPU (four ranks and a background compile on two cores) swing 3x from step
+    to step, so the step time is held only against the fastest later step, loosely.
+    """
     rows = _rows(resumed.dump)
-    first, second = rows[5], rows[6]
-    assert first[keys.DISPATCH_MS] > 0.5 * second[keys.DISPATCH_MS], (first[keys.DISPATCH_MS], second[keys.DISPATCH_MS])
-    assert first[keys.STEP_MS] > 0.5 * second[keys.STEP_MS], (first[keys.STEP_MS], second[keys.STEP_MS])
+    first, later = rows[5], [rows[s] for s in sorted(rows) if s > 5]
+    assert later, sorted(rows)
+    for row in later:
+        assert 0.5 < first[keys.SENT_GB] / row[keys.SENT_GB] < 2, (first[keys.SENT_GB], row[keys.SENT_GB])
+    fastest_ms = min(row[keys.STEP_MS] for row in later)
+    assert first[keys.STEP_MS] > 0.5 * fastest_ms, (first[keys.STEP_MS], fastest_ms)
 
 
 def test_a_second_run_in_the_same_folder_is_refused_before_torchrun(resumed):
