@@ -1,7 +1,8 @@
 """The backend oracles of tests/gpu/nvshmem_cases.py, run on CPU (gloo) against the "nccl"
 backend, so every backend answers to the same checks (the nvshmem ones run on the GPU).
 
-Usage: torchrun --nproc_per_node N tests/backend_oracles_cpu.py REPORT.json
+`run_rank(rank, world, port, report)` is one gloo rank of them (tests/ranks.py starts them); rank 0
+writes every case's verdict to `report`.
 """
 
 import json
@@ -83,9 +84,10 @@ def forward_backward(num_tokens, hidden, num_experts, top_k, seed):
         assert err <= 1e-4 * max(1.0, want.abs().max().item()), f"{name} differs from the reference by {err}"
 
 
-def main():
+def run_rank(rank: int, world: int, port: int, report: str) -> None:
     cpu.apply()
-    dist.init_process_group("gloo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     cases = {
         "layout_random_top8_fp32": (layout_and_fan_out, (256, 64, 16, 8, torch.float32, "random", 1)),
         "layout_one_expert_top2_bf16": (layout_and_fan_out, (128, 64, 8, 2, torch.bfloat16, "one_expert", 2)),
@@ -106,10 +108,6 @@ def main():
         merged = {name: ("PASS" if all(r[name] == "PASS" for r in per_rank)
                          else "\n".join(f"rank {i}: {r[name]}" for i, r in enumerate(per_rank) if r[name] != "PASS"))
                   for name in cases}
-        with open(sys.argv[1], "w") as f:
+        with open(report, "w") as f:
             json.dump(merged, f, indent=1)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

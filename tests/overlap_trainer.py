@@ -1,7 +1,8 @@
 """TorchTitan's trainer, running every step once per MoE overlap variant from the same weights.
 
-Run under torchrun like `-m torchtitan.train`, with the variants in MOE_COMM_TEST_VARIANTS
-(comma-separated, the first is the reference):
+`run_rank` is one rank of it, as torchrun would start `-m torchtitan.train` (tests/ranks.py
+starts them), with the variants in MOE_COMM_TEST_VARIANTS (comma-separated, the first is the
+reference):
     plain      [moe_comm] overlap = "none", no sync points, the schedule's own action lists
     chunked    [moe_comm] overlap = "chunked"
     dualpipev  DualPipeV's EP overlap: TorchTitan's overlap callback and our sync points
@@ -25,6 +26,7 @@ the overlapped action lists the run was built with.
 
 import json
 import os
+from pathlib import Path
 
 import torch
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleInterleaved1F1B
@@ -32,13 +34,22 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed import dual_pipe_v
 from torchtitan.distributed.dual_pipe_v import overlap_callback
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torchtitan.train import main, Trainer
+from torchtitan.config import ConfigManager
+from torchtitan.tools.logging import init_logger
+from torchtitan.train import Trainer
 
 from moe_comm.backends.nccl import NcclBackend
 from moe_comm.titan import pipeline
 from moe_comm.titan.model import TokenLevelMoE
 
-VARIANTS = os.environ.get("MOE_COMM_TEST_VARIANTS", "plain,chunked").split(",")
+import ranks
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def variants() -> list[str]:
+    return os.environ.get("MOE_COMM_TEST_VARIANTS", "plain,chunked").split(",")
+
 
 # DualPipeV sync-point crossings (barriers while TorchTitan's coordination is on), counted so
 # the test knows the dualpipev variant really ran its two threads in lockstep.
@@ -148,7 +159,7 @@ class OverlapTrainer(Trainer):
     def forward_backward_step(self, *args, **kwargs):
         if "overlap_record" not in self.__dict__:
             # what parallelize set up, before any variant changes it
-            self.overlap_record = {v: [] for v in VARIANTS}
+            self.overlap_record = {v: [] for v in variants()}
             self.overlap_record["built_with_sync_points"] = all(
                 m.sync_points for part in self.model_parts for m in part.modules() if isinstance(m, TokenLevelMoE)
             )
@@ -160,7 +171,7 @@ class OverlapTrainer(Trainer):
                 self.action_lists = _action_lists(schedule)
         record = self.overlap_record
         reference = None
-        for variant in VARIANTS:
+        for variant in variants():
             _set_variant(self, variant)
             self.optimizers.zero_grad()
             _barriers["passed"] = 0
@@ -188,5 +199,18 @@ class OverlapTrainer(Trainer):
         super().close()
 
 
-if __name__ == "__main__":
-    main(OverlapTrainer)
+def run_rank(rank: int, world: int, port: int, variants: str, argv: list[str]) -> None:
+    """One rank of a training, started by tests/ranks.py as torchrun would start
+    `-m torchtitan.train ARGV` with this trainer (from the repository root: recipes name their
+    assets from there). torchtitan.train.main's steps, with ARGV given (main reads sys.argv)."""
+    ranks.torchrun_env(rank, world, port)
+    os.environ["MOE_COMM_TEST_VARIANTS"] = variants
+    os.chdir(REPO)
+    init_logger()
+    trainer = OverlapTrainer(ConfigManager().parse_args(argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

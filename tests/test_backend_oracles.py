@@ -4,27 +4,21 @@ combine / fan-out = input, forward and gradients (x and routing weights) against
 Two gloo processes on CPU; one launch serves every case."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+import backend_oracles_cpu
+import ranks
+from metrics_fakes import free_port
+
 CASES = ["layout_random_top8_fp32", "layout_one_expert_top2_bf16", "layout_top1_fp32", "forward_backward_top6"]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("oracles") / "report.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "backend_oracles_cpu.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert out.exists(), f"no report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    ranks.spawn(backend_oracles_cpu.run_rank, args=(2, free_port(), str(out)), nprocs=2)
+    assert out.exists(), "rank 0 wrote no report"
     return json.loads(out.read_text())
 
 

@@ -55,3 +55,16 @@ def test_cache_key_covers_headers_in_subfolders(tmp_path, monkeypatch):
 def test_build_verb_is_wired():
     proc = run_verb("build", "--help")
     assert proc.returncode == 0 and "--compile-only" in proc.stdout
+
+
+def test_the_check_parses_once_and_assembles_for_every_architecture(tmp_path, monkeypatch):
+    """One cicc pass (the lowest architecture's PTX) while no file branches on __CUDA_ARCH__;
+    one per architecture as soon as one does (its PTX then differs between them)."""
+    assert build_module._check_gencode(("100", "90")) == ["-gencode", "arch=compute_90,code=[sm_100,sm_90]"]
+    assert build_module._check_gencode(("90",)) == build_module._gencode(("90",))
+    tree = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree)
+    monkeypatch.setattr(build_module, "CSRC", tree)
+    kernel = tree / "comm" / "dispatch.cu"
+    kernel.write_text(kernel.read_text() + "\n#if __CUDA_ARCH__ >= 1000\n#endif\n")
+    assert build_module._check_gencode(("90", "100")) == build_module._gencode(("90", "100"))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import ranks
 from metrics_fakes import free_port, init_gloo, make_fake
 from moe_comm.metrics import instrument, settle
 from moe_comm.metrics import instrumented, pipeline
@@ -72,7 +73,7 @@ def _worker(rank, port, results):
 
 def test_the_metrics_collectives_leave_nothing_for_gloo_to_release():
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(free_port(), results), nprocs=2)
+    ranks.spawn(_worker, args=(free_port(), results), nprocs=2)
     assert dict(results) == {(what, rank): 0 for what in ("gather", "summarize") for rank in (0, 1)}
 
 

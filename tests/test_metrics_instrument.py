@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import ranks
 from metrics_fakes import free_port, init_gloo, make_fake
 from moe_comm.metrics import instrument, InstrumentedBackend, keys
 from moe_comm.metrics.instrumented import (
@@ -138,7 +139,7 @@ CASES = [("nccl", 3), ("nvshmem", 2)]
 @pytest.fixture(scope="module")
 def two_ranks():
     results = mp.Manager().dict()
-    mp.spawn(_two_rank_worker, args=(free_port(), [name for name, _ in CASES], results), nprocs=2)
+    ranks.spawn(_two_rank_worker, args=(free_port(), [name for name, _ in CASES], results), nprocs=2)
     return dict(results)
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import ranks
 from metrics_fakes import free_port, init_gloo, make_fake
 from moe_comm.metrics import build_metrics_processor, instrument, keys
 
@@ -87,10 +88,17 @@ def _scenario(rank, dump_folder, extra, device_name):
         gc.collect()  # this scenario's layers leave the instrumented registry
 
 
+# W&B as an unconfigured user's: offline, no credentials, no run naming from the environment
+WANDB_UNSET = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_RUN_NAME", "WANDB_RUN_GROUP", "WANDB_PROJECT")
+
+
 def _worker(rank, port, scenarios, results):
-    """Every scenario in one pair of processes (each spawn imports torch and TorchTitan anew)."""
+    """Every scenario in one pair of processes."""
     from moe_comm.titan import cpu
 
+    for var in WANDB_UNSET:
+        os.environ.pop(var, None)
+    os.environ["WANDB_SILENT"] = "true"
     cpu.apply()
     init_gloo(rank, 2, port)
     try:
@@ -113,25 +121,15 @@ SCENARIOS = {
 def scenarios(tmp_path_factory):
     """{name: (dump folder, {rank: result})} of SCENARIOS, run in one spawn with W&B offline."""
     tmp = tmp_path_factory.mktemp("processor")
-    saved = {k: os.environ.get(k) for k in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_RUN_NAME", "WANDB_RUN_GROUP",
-                                            "WANDB_PROJECT", "WANDB_SILENT")}
-    for var in saved:
-        os.environ.pop(var, None)
-    os.environ["WANDB_SILENT"] = "true"
     cwd = os.getcwd()
-    os.chdir(tmp)
+    os.chdir(tmp)  # the ranks start where their parent is
     try:
         plan = {name: (str(tmp / name), extra, device) for name, (extra, device) in SCENARIOS.items()}
         results = mp.Manager().dict()
-        mp.spawn(_worker, args=(free_port(), plan, results), nprocs=2)
+        ranks.spawn(_worker, args=(free_port(), plan, results), nprocs=2)
         results = dict(results)
     finally:
         os.chdir(cwd)
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
     return {name: (plan[name][0], {r: results[(name, r)] for r in (0, 1)}) for name in SCENARIOS}
 
 

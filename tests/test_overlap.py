@@ -18,7 +18,8 @@
   the action lists built from torch's Interleaved1F1B (no processes), the refusal of other
   schedules, and a failing backward thread failing the step instead of hanging it.
 - The checks before launch, and the metrics of an overlapped run.
-- Three trainings under torchrun (the whole path: TorchTitan's trainer, FSDP, the train spec),
+- Three trainings (the whole path: TorchTitan's trainer, FSDP, the train spec; the ranks started
+  as torchrun starts them, tests/ranks.py),
   each step run once per variant from the same weights (tests/overlap_trainer.py), built with
   full activation checkpointing and each variant also run with fewer or no checkpoints:
   PP 2 x EP 2 with DualPipeV on 4 processes (its EP overlap with two threads, "chunked", and
@@ -40,8 +41,6 @@ from one thread (chunked) and from two (one microbatch's forward beside another'
 
 import contextlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -64,6 +63,8 @@ from moe_comm.titan import overlap
 from moe_comm.titan.model import MoECommDeepSeekV3Model, TokenLevelExperts, TokenLevelMoE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))  # the GPU cases' modules, which run on CPU too
+import ranks  # noqa: E402
+from metrics_fakes import free_port  # noqa: E402
 from overlap_cases import debug_model_args  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -492,14 +493,12 @@ def test_step_line_says_how_much_was_hidden():
 
 def _train(tmp: Path, name: str, nproc: int, variants: str, *overrides: str) -> list[dict]:
     dump = tmp / name
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", MOE_COMM_TEST_VARIANTS=variants)
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(REPO / "tests" / "overlap_trainer.py"), "--job.config_file", "recipes/debug_cpu.toml",
-           "--job.dump_folder", str(dump), "--training.steps", "2", "--training.seq_len", "64",
-           "--metrics.no-enable_wandb", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    argv = ["--job.config_file", "recipes/debug_cpu.toml", "--job.dump_folder", str(dump), "--training.steps", "2",
+            "--training.seq_len", "64", "--metrics.no-enable_wandb", *overrides]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_DATASETS_OFFLINE", "1")
+        env.setenv("WANDB_MODE", "offline")
+        ranks.spawn("overlap_trainer:run_rank", args=(nproc, free_port(), variants, argv), nprocs=nproc)
     return [json.loads((dump / f"overlap_rank{r}.json").read_text()) for r in range(nproc)]
 
 

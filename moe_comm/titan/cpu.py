@@ -20,7 +20,6 @@ answers one CUDA assumption of TorchTitan 0.2.2, named with its module; nothing 
 """
 
 import functools
-import sys
 import types
 
 import torch
@@ -89,6 +88,7 @@ def apply() -> None:
     _APPLIED = True
 
     import torchtitan.components.metrics
+    import torchtitan.distributed.dual_pipe_v
     import torchtitan.distributed.parallel_dims
     import torchtitan.distributed.utils
     import torchtitan.models.moe.utils
@@ -103,14 +103,12 @@ def apply() -> None:
         torchtitan.distributed.parallel_dims,
         torchtitan.distributed.utils,
         torchtitan.tools.profiling,
+        torchtitan.distributed.dual_pipe_v,  # imported here, whatever the caller imported first
     ):
         if hasattr(module, "device_type"):
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = CpuDeviceModule
-    dual_pipe_v = sys.modules.get("torchtitan.distributed.dual_pipe_v")
-    if dual_pipe_v is not None:
-        dual_pipe_v.device_type, dual_pipe_v.device_module = "cpu", CpuDeviceModule
 
     # 2. The EP permute's CPU implementation instead of its Triton kernel.
     torchtitan.models.moe.utils.generate_permute_indices = functools.partial(

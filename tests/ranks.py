@@ -1,0 +1,50 @@
+"""Start test ranks as torch.multiprocessing.spawn does, without each importing torch again.
+
+A spawned child is a fresh interpreter: it imports torch, TorchTitan and moe_comm (about 10
+CPU-seconds on a 2-core machine) before its first line of test code, which often runs in a
+second. Here the children are forked from multiprocessing's fork server, which has imported
+them once for the session; each child then runs the function as spawn would: rank first, the
+caller's environment and working directory, a failing rank fails the call with its traceback.
+
+`torchrun_env` gives a rank what torchrun would (RANK, LOCAL_RANK, WORLD_SIZE, ..., one thread),
+for the tests that run TorchTitan's trainer itself; the `train` verb's own launch is tested
+through torchrun (tests/conftest.py's runs).
+"""
+
+import importlib
+import multiprocessing
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+# What the suite's rank functions import; the server loads them once, before its first fork.
+PRELOAD = ["torch", "torch.distributed", "torchtitan.train", "moe_comm.metrics", "moe_comm.backends",
+           "moe_comm.titan"]
+
+
+def _run(rank: int, fn, environ: dict[str, str], args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    if isinstance(fn, str):
+        module, name = fn.split(":")
+        fn = getattr(importlib.import_module(module), name)
+    fn(rank, *args)
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 2) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs), the children forked from the fork server.
+
+    `fn` may be named "module:function", imported by the ranks only: for a module that patches
+    what it imports (tests/overlap_trainer.py), which the test process must not import."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.start_processes(_run, args=(fn, dict(os.environ), args), nprocs=nprocs, join=True,
+                       start_method="forkserver")
+
+
+def torchrun_env(rank: int, world: int, port: int) -> None:
+    """This process as torchrun --standalone starts rank `rank` of `world` on one machine."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1, which the imported torch no longer reads
