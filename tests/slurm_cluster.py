@@ -36,7 +36,8 @@ from pathlib import Path
 PACKAGES = ("slurm-wlm", "munge")
 BINARIES = ("sbatch", "srun", "squeue", "scontrol", "slurmctld", "slurmd", "munged")
 HOSTS_MARK = "# moe-comm local slurm test node"
-LIVE_NODES = ("mcnode1", "mcnode2")
+# three: the module's one-node and two-node jobs run side by side (each job takes its nodes whole)
+LIVE_NODES = ("mcnode1", "mcnode2", "mcnode3")
 LIVE_PARTITION = "live"
 GPU_NODES = tuple(f"mcgpu{i}" for i in range(1, 33))
 GPU_PARTITION = "b200"  # 32 nodes x 8 fake GPUs, the shape of the 671B job, for sbatch --test-only

@@ -121,22 +121,45 @@ def base(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_node_run(slurm, base):
+def submitted(slurm, base):
+    """The module's two CPU jobs, submitted together so that they run side by side (one waits
+    for its requeue while the other trains): {name: (job id, its log, its dump folder)}."""
+    jobs = {}
+    for name, flags in (("one_node", ("--checkpoint.interval", "1")),
+                        ("two_nodes", ("--nodes", "2", "--cluster.gpus_per_node", "1"))):
+        proc, job_id, log, dump = submit_cpu(slurm, base, *flags)
+        assert proc.returncode == 0, proc.stderr
+        jobs[name] = job_id, log, dump
+    return jobs
+
+
+def finished(slurm: LocalSlurm, job_id: str, log: Path) -> None:
+    """Wait for the job to end; it must have completed."""
+    wait_for(f"job {job_id} to finish", lambda: slurm.job_state(job_id) in ("COMPLETED", "FAILED", "CANCELLED",
+                                                                          "TIMEOUT", "GONE"), 300, slurm, log)
+    state = slurm.job_state(job_id)
+    text = log.read_text()[-6000:] if log.exists() else "(no log)"
+    assert state in ("COMPLETED", "GONE"), f"job {job_id} ended {state}; log {log}:\n{text}\n{slurm.logs_hint()}"
+
+
+@pytest.fixture(scope="module")
+def one_node_run(slurm, submitted):
     """EP=2 on gloo through the real template, requeued after its first checkpoint: the job runs
     again under the same id and TorchTitan resumes from that checkpoint."""
-    proc, job_id, log, dump = submit_cpu(slurm, base, "--checkpoint.interval", "1")
-    assert proc.returncode == 0, proc.stderr
+    job_id, log, dump = submitted["one_node"]
     first = dump / "checkpoint" / "step-1" / ".metadata"
     wait_for("the step-1 checkpoint", first.exists, 300, slurm, log, running_job=job_id)
     slurm.run("scontrol", "requeue", job_id)
-    wait_for(f"job {job_id} to finish after its requeue", lambda: slurm.job_state(job_id) in ("COMPLETED", "FAILED", "GONE"), 300, slurm, log)
+    finished(slurm, job_id, log)
     return job_id, log, dump
 
 
 @pytest.fixture(scope="module")
-def two_node_run(slurm, base):
+def two_node_run(slurm, submitted):
     """Two fake nodes, one process each: the c10d rendezvous across srun tasks really runs."""
-    return cpu_job(slurm, base, "--nodes", "2", "--cluster.gpus_per_node", "1")
+    job_id, log, dump = submitted["two_nodes"]
+    finished(slurm, job_id, log)
+    return job_id, log, dump
 
 
 def test_cpu_recipe_one_node_requeued_resumes_from_checkpoint(one_node_run):
