@@ -19,7 +19,7 @@
   schedules, and a failing backward thread failing the step instead of hanging it.
 - The checks before launch, and the metrics of an overlapped run.
 - Three trainings (the whole path: TorchTitan's trainer, FSDP, the train spec; the ranks started
-  as torchrun starts them, tests/ranks.py),
+  as torchrun starts them, tests/ranks.py; the debug model with 4 attention heads),
   each step run once per variant from the same weights (tests/overlap_trainer.py), built with
   full activation checkpointing and each variant also run with fewer or no checkpoints:
   PP 2 x EP 2 with DualPipeV on 4 processes (its EP overlap with two threads, "chunked", and
@@ -494,7 +494,8 @@ def test_step_line_says_how_much_was_hidden():
 def _train(tmp: Path, name: str, nproc: int, variants: str, *overrides: str) -> list[dict]:
     dump = tmp / name
     argv = ["--job.config_file", "recipes/debug_cpu.toml", "--job.dump_folder", str(dump), "--training.steps", "2",
-            "--training.seq_len", "64", "--metrics.no-enable_wandb", *overrides]
+            "--training.seq_len", "64", "--model.flavor", "debugmodel_4heads",  # overlap_trainer.FLAVOR
+            "--metrics.no-enable_wandb", *overrides]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_DATASETS_OFFLINE", "1")
         env.setenv("WANDB_MODE", "offline")

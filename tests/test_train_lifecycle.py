@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -128,8 +129,7 @@ def finished(shared_run, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def long_runs(finished, tmp_path_factory):
-    """`resumed` and `hung`, started side by side (each leaves a core idle for seconds), then
-    driven one after the other."""
+    """`resumed` and `hung`, started and driven side by side (each leaves a core idle for seconds)."""
     resumed_dump = _copy(finished, tmp_path_factory, "resumed")
     hung_dump = _copy(finished, tmp_path_factory, "hung")
     newest = checkpoints.inspect(hung_dump / "checkpoint")[0]
@@ -141,7 +141,11 @@ def long_runs(finished, tmp_path_factory):
     # all its collectives keep init_timeout_seconds.
     b = LongRun(hung_dump, "--checkpoint.enable", "--checkpoint.interval", "500", "--comm.init_timeout_seconds", "20")
     try:
-        yield _drive_resumed(a), _drive_hung(b, newest, shard)
+        # driven side by side: the hung run's 20 s collective timeout passes while the other trains
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            resumed = pool.submit(_drive_resumed, a)
+            hung = pool.submit(_drive_hung, b, newest, shard)
+            yield resumed.result(), hung.result()
     finally:
         a.close()
         b.close()
