@@ -4,8 +4,7 @@ A torchrun start costs 15-30 s on a 2-core machine (imports, model set-up, gloo,
 2 s sleep at the end) before its first step, and a run leaves a core idle for seconds (the
 launcher's checks, that sleep). So the runs that test files read are listed once, in
 SHARED_RUNS, and made in the background from the start of the session, two at a time, while
-the tests that need none run (the tests that read them run after those); a test that needs a
-run of its own says why in its docstring.
+the tests that need none run; a test that needs a run of its own says why in its docstring.
 
 - `train(dump, *overrides)`: `python -m moe_comm train recipes/debug_cpu.toml` into `dump`, as
   a user runs it from the repository root; the result has `.console` (stdout + stderr without
@@ -17,7 +16,7 @@ run of its own says why in its docstring.
 A session that collects no test using them starts none of them.
 
 - `csrc_build` (a fixture): the CI build of csrc/ (`python -m moe_comm build --compile-only` for
-  sm_90 and sm_100, about 3 CPU-minutes), started in the background at the same moment, at a
+  sm_90 and sm_100, about 8 CPU-minutes), started in the background at the same moment, at a
   lower priority, so it fills the cores the trainings leave idle; the tests that read it run
   last. A passed build is kept in the build cache under its key (sources, build flags, torch,
   nvcc, NVSHMEM), so the same tree is compiled once per machine.
@@ -152,16 +151,9 @@ _csrc: _CsrcBuild | None = None
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that read SHARED_RUNS run after the others, and those that wait for the csrc
-    build last: the runs and the build fill the cores in the background while the tests that
-    need neither (mostly one process, or waiting on Slurm) run, instead of the session waiting
-    for a run while a core idles."""
-    def waits_for(item, fixture: str) -> bool:
-        return fixture in getattr(item, "fixturenames", ())
-
-    build = [item for item in items if waits_for(item, "csrc_build")]
-    runs = [item for item in items if waits_for(item, "shared_run") and item not in build]
-    items[:] = [item for item in items if item not in build and item not in runs] + runs + build
+    """The tests that wait for the background csrc build run last (the build has the whole session)."""
+    waiting = [item for item in items if "csrc_build" in getattr(item, "fixturenames", ())]
+    items[:] = [item for item in items if item not in waiting] + waiting
 
 
 def pytest_collection_finish(session):
