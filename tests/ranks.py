@@ -14,6 +14,7 @@ through torchrun (tests/conftest.py's runs).
 import importlib
 import multiprocessing
 import os
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -32,14 +33,24 @@ def _run(rank: int, fn, environ: dict[str, str], args: tuple) -> None:
     fn(rank, *args)
 
 
-def spawn(fn, args: tuple = (), nprocs: int = 2) -> None:
+def spawn(fn, args: tuple = (), nprocs: int = 2, timeout_s: float = 600) -> None:
     """torch.multiprocessing.spawn(fn, args, nprocs), the children forked from the fork server.
 
     `fn` may be named "module:function", imported by the ranks only: for a module that patches
-    what it imports (tests/overlap_trainer.py), which the test process must not import."""
+    what it imports (tests/overlap_trainer.py), which the test process must not import. Ranks
+    still running after `timeout_s` are killed and named in the error (a hung collective fails
+    the test instead of the session)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    mp.start_processes(_run, args=(fn, dict(os.environ), args), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+    ranks = mp.start_processes(_run, args=(fn, dict(os.environ), args), nprocs=nprocs, join=False,
+                               start_method="forkserver")
+    deadline = time.monotonic() + timeout_s
+    while not ranks.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            alive = [rank for rank, p in enumerate(ranks.processes) if p.is_alive()]
+            for p in ranks.processes:
+                p.kill()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)}: rank(s) {alive} of {nprocs} still running after "
+                               f"{timeout_s:g} s; killed")
 
 
 def torchrun_env(rank: int, world: int, port: int) -> None:
