@@ -23,6 +23,7 @@ from oracles import (  # noqa: E402
     routing,
 )
 
+from metrics_fakes import init_gloo  # noqa: E402
 from moe_comm.backends.base import MoELayerSpec  # noqa: E402
 from moe_comm.backends.nccl import NcclBackend  # noqa: E402
 from moe_comm.config import MoEComm  # noqa: E402
@@ -86,8 +87,7 @@ def forward_backward(num_tokens, hidden, num_experts, top_k, seed):
 
 def run_rank(rank: int, world: int, port: int, report: str) -> None:
     cpu.apply()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     cases = {
         "layout_random_top8_fp32": (layout_and_fan_out, (256, 64, 16, 8, torch.float32, "random", 1)),
         "layout_one_expert_top2_bf16": (layout_and_fan_out, (128, 64, 8, 2, torch.bfloat16, "one_expert", 2)),

@@ -119,7 +119,7 @@ def test_no_grad_and_disabled_pass_through(world_of_one, monkeypatch):
 def _two_rank_worker(rank, port, backend_names, results):
     init_gloo(rank, 2, port)
     try:
-        for backend_name in backend_names:  # one pair of processes for every case: spawns cost seconds
+        for backend_name in backend_names:  # one pair of processes for every case: each start sets up gloo anew
             wrapped = instrument(make_fake(backend_name))
             topk_idx_TK = TOPK_IDX_RANK0 if rank == 0 else TOPK_IDX_RANK1
             x_TD = torch.randn(3, 8, requires_grad=True)

@@ -1,7 +1,7 @@
 """The metrics processor on 2 gloo ranks with fake instrumented layers: TorchTitan's metrics plus
 ours reach the JSONL and an offline W&B run, the console shows one step line, MFU follows the
-peak rules, and `wandb sync` is printed at the end. Every scenario runs in one pair of spawned
-processes (each spawn costs seconds of imports). Then, in this process: how steps between step
+peak rules, and `wandb sync` is printed at the end. Every scenario runs in one pair of rank
+processes (tests/ranks.py). Then, in this process: how steps between step
 lines are counted, and what the footer says."""
 
 import glob
@@ -119,7 +119,7 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
-    """{name: (dump folder, {rank: result})} of SCENARIOS, run in one spawn with W&B offline."""
+    """{name: (dump folder, {rank: result})} of SCENARIOS, run in one pair of ranks with W&B offline."""
     tmp = tmp_path_factory.mktemp("processor")
     cwd = os.getcwd()
     os.chdir(tmp)  # the ranks start where their parent is

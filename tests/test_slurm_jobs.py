@@ -27,6 +27,8 @@ RECIPES_B200 = {
     "671B": REPO / "recipes" / "deepseek_v3_671b_b200.toml",
 }
 STEPS = 3
+# A job in one of these states has ended ("GONE": past MinJobAge, Slurm no longer knows it).
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def wait_for(what: str, ok, timeout: float, slurm: LocalSlurm, log: Path, runnin
     while time.monotonic() < deadline:
         if ok():
             return
-        if running_job and slurm.job_state(running_job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE"):
+        if running_job and slurm.job_state(running_job) in ENDED:
             ended = f"job {running_job} ended ({slurm.job_state(running_job)}) first"
             break
         time.sleep(1)
@@ -135,8 +137,7 @@ def submitted(slurm, base):
 
 def finished(slurm: LocalSlurm, job_id: str, log: Path) -> None:
     """Wait for the job to end; it must have completed."""
-    wait_for(f"job {job_id} to finish", lambda: slurm.job_state(job_id) in ("COMPLETED", "FAILED", "CANCELLED",
-                                                                          "TIMEOUT", "GONE"), 300, slurm, log)
+    wait_for(f"job {job_id} to finish", lambda: slurm.job_state(job_id) in ENDED, 300, slurm, log)
     state = slurm.job_state(job_id)
     text = log.read_text()[-6000:] if log.exists() else "(no log)"
     assert state in ("COMPLETED", "GONE"), f"job {job_id} ended {state}; log {log}:\n{text}\n{slurm.logs_hint()}"
