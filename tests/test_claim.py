@@ -34,7 +34,9 @@ def _foreign(folder, host: str, age_s: float, **fields) -> claim.Holder:
     """A claim made by another launcher, last refreshed `age_s` ago."""
     holder = claim.Holder(**{**vars(claim.me("train other")), "host": host, "pid": 4242, "pid_started": "99", **fields})
     path = folder / claim.CLAIM_FILE
-    path.write_text(json.dumps(vars(holder)))
+    written = folder / "claim.json.other"  # written whole, then put in place: as a launcher's link,
+    written.write_text(json.dumps(vars(holder)))  # a reader (a refresher thread) never sees it half done
+    os.replace(written, path)
     old = time.time() - age_s
     os.utime(path, (old, old))
     return holder
