@@ -7,7 +7,7 @@
 //
 // A block takes 64 channels of one expert's rows: a pass for the columns' amax over the rows,
 // then one that quantises 128-row tiles and transposes them through shared memory (loads along
-// the channels, 16-byte stores along the rows).
+// the channels, 16-byte stores along the rows; the tile swizzled: tile_offset).
 #include <cuda_bf16.h>
 
 #include "common/launch.h"
@@ -20,6 +20,7 @@ constexpr int kGroupRows = 128;
 constexpr int kGroupPitch = kGroupRows + 16;
 constexpr int kColVecs = kGroupCols / 8;              // 8-channel vectors per row of the tile
 constexpr int kRowLanes = kRowThreads / kColVecs;     // rows the amax pass reads at once
+static_assert(kGroupRows == kTransposeRows && kColVecs == kTransposeVecs, "tile_offset's tile");
 
 // 8 channels of row r from channel c: bf16, or e4m3 times the row's scale.
 __device__ __forceinline__ void load_row8(const GroupColumnsArgs& a, int64_t r, int c, float (&f)[8]) {
@@ -81,9 +82,10 @@ __global__ void __launch_bounds__(kRowThreads) group_columns_kernel(const GroupC
       if (r >= end || c0 + 8 * v >= a.channels) continue;
       float f[8];
       load_row8(a, r, c0 + 8 * v, f);
+      const int at = tile_offset<kGroupPitch>(8 * v, rl);  // channel 8v + k's byte at at + k * kGroupPitch
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        tile[(8 * v + k) * kGroupPitch + rl] =
+        tile[at + k * kGroupPitch] =
             __nv_cvt_float_to_fp8(f[k] / scales[8 * v + k], __NV_SATFINITE, __NV_E4M3);
       }
     }
@@ -96,7 +98,7 @@ __global__ void __launch_bounds__(kRowThreads) group_columns_kernel(const GroupC
       const int64_t r = r0 + 16 * seg;
       if (col >= a.channels || r >= end) continue;
       uint8_t* out = a.q + (int64_t)col * a.row_stride + r;
-      const uint8_t* from = tile + cl * kGroupPitch + 16 * seg;
+      const uint8_t* from = tile + tile_offset<kGroupPitch>(cl, 16 * seg);
       if (r + 16 <= end && r % 16 == 0) {
         *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(from);
       } else {

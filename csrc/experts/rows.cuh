@@ -45,6 +45,18 @@ __device__ __forceinline__ void load8(const void* base, bool fp32, int64_t index
   }
 }
 
+// Where a transpose tile (kTransposeRows rows of kTransposeVecs 8-channel vectors, stored a row
+// of kPitch bytes per channel) keeps channel ch's byte of row r: its 16-byte chunks XOR-swizzled
+// by the channel's vector. A warp's loads are 4 rows x the 8 vectors, and its writes of channel
+// k of each vector then fall on 8 banks; unswizzled, the 8 vectors' rows sit a multiple of 32
+// banks apart and the writes went 8-way on one bank. A chunk read back stays 16 contiguous bytes.
+constexpr int kTransposeRows = 128;
+constexpr int kTransposeVecs = 8;
+template <int kPitch>
+__device__ __forceinline__ int tile_offset(int ch, int r) {
+  return ch * kPitch + ((r / 16) ^ (ch / 8 % kTransposeVecs)) * 16 + r % 16;
+}
+
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 #endif  // __CUDACC__

@@ -5,7 +5,7 @@
 // in the backward (the forward's copy is not kept: under FSDP the weights are gathered again).
 //
 // A block transposes a tile of kTileRows x kTileCols through shared memory: loads along the
-// columns, stores along the rows, 16 bytes a thread each way.
+// columns, stores along the rows, 16 bytes a thread each way (the tile swizzled: tile_offset).
 #include <cuda_bf16.h>
 
 #include "common/launch.h"
@@ -16,6 +16,7 @@ namespace moe_comm {
 constexpr int kTileRows = 128;   // of the original: the transposed copy's row length per tile
 constexpr int kTileCols = 64;
 constexpr int kTilePitch = kTileRows + 16;  // bytes per transposed row in shared memory
+static_assert(kTileRows == kTransposeRows && kTileCols / 8 == kTransposeVecs, "tile_offset's tile");
 
 __global__ void __launch_bounds__(kRowThreads) weights_transposed_kernel(const WeightsTransposedArgs a) {
   __shared__ __align__(16) uint8_t tile[kTileCols * kTilePitch];
@@ -41,10 +42,11 @@ __global__ void __launch_bounds__(kRowThreads) weights_transposed_kernel(const W
         in_a ? ((int64_t)e * a.rows_a + n) * a.cols : ((int64_t)e * a.rows_b + n - a.rows_a) * a.cols;
     float f[8];
     load8(in_a ? a.a : a.b, a.fp32, base + c, f);
+    const int at = tile_offset<kTilePitch>(8 * cv, r);  // channel 8cv + k's byte at at + k * kTilePitch
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(f[k] / scales[8 * cv + k], __NV_SATFINITE, __NV_E4M3);
-      tile[(8 * cv + k) * kTilePitch + r] = q;
+      tile[at + k * kTilePitch] = q;
     }
   }
   __syncthreads();
@@ -56,7 +58,7 @@ __global__ void __launch_bounds__(kRowThreads) weights_transposed_kernel(const W
     const int c = c0 + cl, n = n0 + 16 * seg;
     if (c >= a.cols || n >= rows) continue;
     uint8_t* out = a.q + ((int64_t)e * a.cols + c) * rows + n;
-    const uint8_t* from = tile + cl * kTilePitch + 16 * seg;
+    const uint8_t* from = tile + tile_offset<kTilePitch>(cl, 16 * seg);
     if (n + 16 <= rows) {
       *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(from);
     } else {
