@@ -23,7 +23,8 @@
    moe_comm.predict for it). Target: the model's exposed MoE comm within 15% of the measured.
 
 OUT/emulated_link.json and OUT/emulated_link.md hold the results, every figure labelled as over
-an emulated link; the raw runs are in OUT/runs/emulated_link/.
+an emulated link; the raw runs are in OUT/runs/emulated_link/. `--report-only` reads those runs
+again, without training (on any machine: the predictions are the model's, on CPU).
 """
 
 import argparse
@@ -70,15 +71,21 @@ def flagship_transfers(flagship: str, gpu: str) -> dict[str, dict[str, float]]:
             for kind, t in by_kind.items()}
 
 
-def model_prediction(recipe: str, overrides: list[str], link: EmulatedLink) -> dict[str, float]:
+def model_prediction(recipe: str, overrides: list[str], link: EmulatedLink,
+                     env: dict[str, str] | None = None) -> dict[str, float]:
     """The scale model's step for `recipe` with `overrides` on one H200, each transfer's network
-    time set to the link's hold for it (the layout and fixed costs stay the model's own)."""
+    time set to the link's hold for it (the layout and fixed costs stay the model's own). `env`:
+    the run's benchmark switches the model must know of (MOE_COMM_RECOMPUTE_COMM=1: the recompute
+    sends again, as TorchTitan's own checkpointing does)."""
     from unittest import mock
 
     from moe_comm.predict import calibration, scale_model
+    from moe_comm.titan.recompute import RECOMPUTE_COMM_ENV
 
     cal = calibration.calibrate()
-    w, cluster = scale_model.workload_from_spec({"recipe": recipe, "overrides": overrides, "gpu": "H200"}, cal)
+    spec = {"recipe": recipe, "overrides": overrides, "gpu": "H200",
+            "recompute_comm": (env or {}).get(RECOMPUTE_COMM_ENV) == "1"}
+    w, cluster = scale_model.workload_from_spec(spec, cal)
     real_layer_comm = scale_model.layer_comm
 
     def over_the_link(backend, w, cluster, cal, *args, **kwargs):
@@ -140,6 +147,21 @@ def _pct(model: float | None, meas: float | None) -> float | None:
     return None if model is None or not meas else 100 * (model - meas) / meas
 
 
+def ran_before(args: argparse.Namespace, spec: runner.RunSpec) -> runner.RunResult:
+    """--report-only: the run an earlier invocation left in its dump folder (its command from the
+    launcher's first line of train.log), read as run_one reads a run it has just made."""
+    folder = args.out / "runs" / args.name / spec.name
+    log = folder / "train.log"
+    first = log.read_text(errors="replace").splitlines()[:1] if log.is_file() else []
+    command = first[0][2:] if first and first[0].startswith("+ ") else ""
+    result = runner.RunResult(spec, "failed", command, str(folder.relative_to(args.out)), wall_s=None)
+    if (folder / keys.JSONL_NAME).is_file():
+        result.status = "ok"
+    else:
+        result.error = f"--report-only: no {keys.JSONL_NAME} in {folder}"
+    return result
+
+
 def run_all(args: argparse.Namespace, link: EmulatedLink) -> list[dict[str, Any]]:
     rows = []
     for text in args.variants:
@@ -154,7 +176,7 @@ def run_all(args: argparse.Namespace, link: EmulatedLink) -> list[dict[str, Any]
             else:
                 os.environ.pop(emulated_link.ENV, None)
             try:
-                result = runner.run_one(args, spec)
+                result = ran_before(args, spec) if args.report_only else runner.run_one(args, spec)
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
@@ -172,7 +194,7 @@ def run_all(args: argparse.Namespace, link: EmulatedLink) -> list[dict[str, Any]
 def predict_rows(args: argparse.Namespace, rows: list[dict], link: EmulatedLink) -> None:
     for row in rows:
         if row["emulated_link"] and row["status"] == "ok":
-            row["predicted"] = model_prediction(args.recipe, row["overrides"], link)
+            row["predicted"] = model_prediction(args.recipe, row["overrides"], link, row["env"])
             m, p = row["measured"], row["predicted"]
             row["exposed_error_pct"] = _pct(p["moe_comm_exposed_ms"], m["moe_comm_exposed_ms"])
             row["step_error_pct"] = _pct(p["step_ms"], m["step_ms"])
@@ -228,6 +250,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-wandb", dest="wandb", action="store_false")
     p.add_argument("--launcher", default=f"{shlex.quote(sys.executable)} -m moe_comm train")
     p.add_argument("--dry-run", action="store_true", help="print the link and the commands, run nothing")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: read the runs an earlier invocation left in OUT/runs/NAME and write the "
+                        "table again (the same --variants, --baseline and link)")
     args = p.parse_args(argv)
     if args.wandb and importlib.util.find_spec("wandb") is None:
         args.wandb = False

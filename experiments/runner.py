@@ -75,7 +75,7 @@ class RunResult:
     status: str  # "ok" or "failed"
     command: str
     dump_folder: str  # relative to OUT, so results/ stays valid wherever it is copied
-    wall_s: float
+    wall_s: float | None  # None: read back from an earlier invocation (emulated_link --report-only)
     returncode: int | None = None
     error: str = ""  # oom, timeout, capacity, missing_dependency, nccl, exit code N, no metrics
     error_tail: str = ""

@@ -68,12 +68,15 @@ class Run:
     @property
     def backend_name(self) -> str:
         """Its backend's label for it (the class's `run_label`); a name no backend has (an older
-        run's) with the SM budget it recorded."""
+        run's) with the SM budget it recorded. A run over an emulated link says so (the tables and
+        plot legends take their backend column from here)."""
         backend = self.static.get(keys.BACKEND, "?")
         options = self.static.get(keys.BACKEND_OPTIONS) or {}
         if backend in names():
-            return backend_class(backend).run_label(options)
-        return backend if options.get("num_sms") is None else f"{backend}-sm{options['num_sms']}"
+            label = backend_class(backend).run_label(options)
+        else:
+            label = backend if options.get("num_sms") is None else f"{backend}-sm{options['num_sms']}"
+        return f"{label} (EMULATED link)" if self.static.get(keys.EMULATED_LINK) else label
 
     @property
     def shape(self) -> str:
@@ -117,7 +120,8 @@ def load_run(jsonl: Path) -> Run:
     if not records:
         raise ValueError(f"{jsonl} has no steps (did the run reach its first log step?)")
     static_keys = (keys.RECIPE, keys.BACKEND, keys.BACKEND_OPTIONS, keys.DEVICE, keys.PEAK_DTYPE,
-                   keys.EP_SIZE, keys.WORLD_SIZE, keys.LOCAL_BATCH, keys.SEQ_LEN, keys.SENDS_PER)
+                   keys.EP_SIZE, keys.WORLD_SIZE, keys.LOCAL_BATCH, keys.SEQ_LEN, keys.SENDS_PER,
+                   keys.EMULATED_LINK)
     static = {k: records[0][k] for k in static_keys if k in records[0]}
     for record in records[1:]:  # a folder reused by another run (older runs had no guard)
         changed = [k for k in static if k in record and record[k] != static[k]]

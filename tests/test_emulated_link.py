@@ -79,6 +79,12 @@ def test_the_run_says_emulated_in_its_header_and_every_jsonl_line(tmp_path, capl
     row = json.loads(open(tmp_path / "dump" / keys.JSONL_NAME).readline())
     assert row[keys.EMULATED_LINK]["emulated"] is True and row[keys.EMULATED_LINK]["dispatch_us_per_call"] == 1450.0
     assert any("EMULATED network: emulated link: dispatch 1450 us" in m for m in _console(caplog))
+    # and what reads the run back: the benchmark's measurement, `report`'s tables and legends
+    from experiments import emulated_link as bench
+    from moe_comm import report
+
+    assert bench.measured(tmp_path / "dump", warmup=0)["emulated_link"]["dispatch_us_per_call"] == 1450.0
+    assert report.load_run(tmp_path / "dump" / keys.JSONL_NAME).backend_name.endswith("(EMULATED link)")
 
 
 def test_another_backend_says_it_ignores_the_setting(tmp_path, caplog, monkeypatch):
@@ -134,3 +140,8 @@ def test_the_benchmark_asks_the_scale_model_for_the_same_inputs():
     p_slow, p_fast = (bench.model_prediction("recipes/deepseek_v3_671b_h200x1.toml", [], link) for link in (slow, fast))
     assert p_slow["moe_comm_exposed_ms"] > p_fast["moe_comm_exposed_ms"] > 0
     assert p_slow["step_ms"] > p_fast["step_ms"]
+    # the recompute's baseline switch reaches the model: under full AC the recompute sends again
+    full = ["--activation_checkpoint.mode", "full"]
+    shipped = bench.model_prediction("recipes/deepseek_v3_671b_h200x1.toml", full, slow)
+    resend = bench.model_prediction("recipes/deepseek_v3_671b_h200x1.toml", full, slow, {"MOE_COMM_RECOMPUTE_COMM": "1"})
+    assert resend["moe_comm_exposed_ms"] == pytest.approx(1.5 * shipped["moe_comm_exposed_ms"], rel=0.02)
