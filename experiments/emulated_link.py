@@ -152,8 +152,8 @@ def ran_before(args: argparse.Namespace, spec: runner.RunSpec) -> runner.RunResu
     launcher's first line of train.log), read as run_one reads a run it has just made."""
     folder = args.out / "runs" / args.name / spec.name
     log = folder / "train.log"
-    first = log.read_text(errors="replace").splitlines()[:1] if log.is_file() else []
-    command = first[0][2:] if first and first[0].startswith("+ ") else ""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    command = next((line[2:] for line in lines if line.startswith("+ ")), "")
     result = runner.RunResult(spec, "failed", command, str(folder.relative_to(args.out)), wall_s=None)
     if (folder / keys.JSONL_NAME).is_file():
         result.status = "ok"
@@ -227,6 +227,8 @@ def markdown(payload: dict) -> str:
             f"{_f(m['moe_comm_ms'])} | {_f(m['moe_comm_exposed_ms'])} | {_f(p.get('moe_comm_exposed_ms'))} | "
             f"{_f(r.get('exposed_error_pct'), '+.1f')}% | {r.get('within_target', 'n/a')} |")
     lines += ["", "Made by:", "", f"    {payload['command']}", ""]
+    if payload.get("runs_command"):
+        lines += ["from the runs made (on one H200) by:", "", f"    {payload['runs_command']}", ""]
     return "\n".join(lines)
 
 
@@ -300,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"emulated": True, "what": "MoE overlap over an EMULATED network link on one GPU (no network)",
                "date": time.strftime("%Y-%m-%d %H:%M"), "recipe": args.recipe, "num_sms": r.config.moe_comm.num_sms,
                "link": link.describe(), "link_source": how, "flagship_transfers": transfers,
-               "target_pct": TARGET_PCT, "rows": rows, "command": shlex.join(["python", f"experiments/{NAME}.py", *argv])}
+               "target_pct": TARGET_PCT, "rows": rows, "command": shlex.join(["python", f"experiments/{NAME}.py", *argv]),
+               "runs_command": (shlex.join(["python", f"experiments/{NAME}.py", *[a for a in argv if a != "--report-only"]])
+                                if args.report_only else None)}
     (args.out / f"{NAME}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (args.out / f"{NAME}.md").write_text(markdown(payload))
     print((args.out / f"{NAME}.md").read_text())
