@@ -4,6 +4,7 @@ it is emulated. The hold kernel compiles with csrc (tests/test_csrc_compile.py);
 device in experiments/emulated_link.py."""
 
 import json
+import shutil
 
 import pytest
 
@@ -145,3 +146,24 @@ def test_the_benchmark_asks_the_scale_model_for_the_same_inputs():
     shipped = bench.model_prediction("recipes/deepseek_v3_671b_h200x1.toml", full, slow)
     resend = bench.model_prediction("recipes/deepseek_v3_671b_h200x1.toml", full, slow, {"MOE_COMM_RECOMPUTE_COMM": "1"})
     assert resend["moe_comm_exposed_ms"] == pytest.approx(1.5 * shipped["moe_comm_exposed_ms"], rel=0.02)
+
+
+def test_report_only_measures_the_runs_an_earlier_invocation_left(tmp_path):
+    """--report-only trains nothing: it reads the runs left in OUT/runs/emulated_link (here the
+    committed one-H200 runs) as the invocation that made them reads a run it has just made."""
+    from experiments import emulated_link as bench
+    from moe_comm.predict.assumptions import REPO
+
+    committed = REPO / "results" / "h200x1"
+    shutil.copytree(committed / "runs" / "emulated_link", tmp_path / "runs" / "emulated_link")
+    assert bench.main(["--out", str(tmp_path), "--steps", "20", "--no-wandb", "--report-only",
+                       "--variants", "none", "chunked"]) == 0
+    want = {r["variant"]: r for r in json.loads((committed / "emulated_link.json").read_text())["rows"]}
+    rows = json.loads((tmp_path / "emulated_link.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["none", "chunked"]
+    for row in rows:
+        assert row["status"] == "ok" and row["measured"] == want[row["variant"]]["measured"]
+        assert row["command"] == want[row["variant"]]["command"] and "torch.distributed.run" in row["command"]
+        assert row["predicted"]["moe_comm_exposed_ms"] > 0 and row["within_target"] is not None
+    text = (tmp_path / "emulated_link.md").read_text()
+    assert "--report-only" in text and "from the runs made (on one H200) by:" in text
