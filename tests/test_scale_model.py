@@ -239,10 +239,18 @@ def test_one_gpu_memory_and_throughput_held_out(validated):
     use within 8% (issue 24's bound) - AC none / selective / full, local batch 1 and 2, nccl and
     nvshmem - and its training throughput within 8%."""
     _, rows = validated
-    mem = [r for r in rows.values() if r.kind == "memory" and "h200x1" in r.id]
-    assert len(mem) >= 6 and {"none", "selective", "full"} <= {r.id.split("-ac")[-1].split("/")[0] for r in mem}
+    mem = [r for r in rows.values() if r.kind == "memory" and "h200x1" in r.id and r.id.endswith("/in")]
+    assert len(mem) >= 6 and {"none", "selective", "full"} <= {r.id.split("-ac")[-1].split("-")[0].split("/")[0]
+                                                                 for r in mem}
     assert all(r.use == "held out" for r in mem)
     assert max(abs(r.error_pct) for r in mem) < 8.0
+    # the runs of 2026-12-02 are predicted as `check` estimates them now: the per-call CUDA
+    # graphs' pools (measured 8.1 GiB apart with and without) and the comm-free recompute's keep
+    one = "memory/deepseek_v3_671b_h200x1-nvshmem-b2-"
+    with_graphs, without = rows[one + "acnone-graphs/in"], rows[one + "acnone-nographs/in"]
+    assert with_graphs.measured - without.measured == pytest.approx(8.1, abs=0.1)
+    assert with_graphs.predicted - without.predicted == pytest.approx(with_graphs.measured - without.measured, abs=1.0)
+    assert rows[one + "acfull-commkept/in"].predicted > rows["memory/deepseek_v3_671b_h200x1-nvshmem-b2-acfull/in"].predicted
     tps = [r for r in rows.values() if r.kind == "training" and "h200x1" in r.id]
     assert {r.id.rsplit("/", 1)[1] for r in tps} >= {"nccl", "nvshmem"}
     assert max(abs(r.error_pct) for r in tps) < 8.0

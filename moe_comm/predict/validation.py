@@ -69,7 +69,11 @@ def predicted(fig: dict, cal: calibration.Calibration) -> float:
         return out[q]
     w, cluster = scale_model.workload_from_spec(p, cal)
     if fig["kind"] == "memory":
-        mem = estimate.memory_per_gpu(w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, microbatch=w.microbatch)
+        # with predict.backend: as `check` estimates a run of that backend now (what its recompute
+        # keeps of the comm, its MoE calls' CUDA graph pools); without: the model's activations and
+        # states alone, as the runs made before those existed held them
+        mem = (scale_model.memory(w, p["backend"]) if "backend" in p else
+               estimate.memory_per_gpu(w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, microbatch=w.microbatch))
         return (mem.total if q == "memory_in_use_gib" else mem.reserved) / estimate.GiB
     return getattr(scale_model.predict(p["backend"], w, cluster, cal, p.get("dispatch_dtype", "bf16")), q)
 
@@ -99,8 +103,9 @@ def validate(cal: calibration.Calibration, figures: list[dict] | None = None) ->
 
 def fit_allocator_cache(figures: list[dict] | None = None) -> float:
     """Bytes of allocator cache per output-projection parameter (vocab x dim / tp) that best
-    explain reserved - in use over the memory figures (least squares through 0); the value
-    moe_comm.predict.estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM must match."""
+    explain reserved - in use over the memory figures whose reserved figure calibrates (least
+    squares through 0); the value moe_comm.predict.estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM
+    must match."""
     figures = figures if figures is not None else load_figures()
     pairs = {}
     for fig in figures:
@@ -110,8 +115,9 @@ def fit_allocator_cache(figures: list[dict] | None = None) -> float:
         pairs.setdefault(key, {})[fig["predict"]["quantity"]] = (fig, measured(fig))
     sxy = sxx = 0.0
     for both in pairs.values():
-        if {"memory_in_use_gib", "memory_reserved_gib"} - set(both):
-            continue
+        if {"memory_in_use_gib", "memory_reserved_gib"} - set(both) or \
+                not both["memory_reserved_gib"][0]["use"].startswith("calibration"):
+            continue  # a held-out reserved figure checks the fit, it never moves it
         fig = both["memory_in_use_gib"][0]
         w, _ = scale_model.workload_from_spec(fig["predict"])
         x = w.args.vocab_size * w.args.dim / w.layout.tp
