@@ -9,6 +9,7 @@ there; nothing here changes.
 """
 
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +26,15 @@ def measured(fig: dict) -> float:
     if "value" in m:
         return float(m["value"])
     path = REPO / m["file"]
-    if path.suffix == ".jsonl":
-        values = [json.loads(line).get(m["field"]) for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":  # a run's metrics: the max, the last, or the median after a warm-up
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        after = m.get("after_step", 0)
+        values = [r.get(m["field"]) for r in records if r.get("step", after + 1) > after]
         values = [v for v in values if v is not None]
         if not values:
             raise ValueError(f"{fig['id']}: no {m['field']!r} in {m['file']}")
-        return float(max(values) if m.get("reduce", "max") == "max" else values[-1])
+        reduce = m.get("reduce", "max")
+        return float(max(values) if reduce == "max" else statistics.median(values) if reduce == "median" else values[-1])
     data = json.loads(path.read_text())
     if "path" in m:
         for key in m["path"]:
