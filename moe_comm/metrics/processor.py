@@ -42,7 +42,7 @@ from moe_comm.kernels import call_graphs, emulated_link
 from moe_comm.metrics import history, keys, naming
 from moe_comm.metrics.expert_counts import ExpertCountLog
 from moe_comm.metrics.instrumented import instrumented_backends, summarize
-from moe_comm.metrics.peaks import resolve_peak
+from moe_comm.metrics.peaks import Peak, resolve_peak
 from moe_comm.metrics.pipeline import PipelineStages
 from moe_comm.metrics.step_line import format_duration, StepLine
 
@@ -82,13 +82,18 @@ class JsonlLogger(BaseLogger):
 
 class _KeepLast(BaseLogger):
     """In front of TorchTitan's loggers: keeps the metrics dict its MetricsProcessor.log just
-    computed (tokens/s, MFU, memory), on every rank, for the step line."""
+    computed (tokens/s, MFU, memory), on every rank, for the step line. It adds the MFU against
+    the bf16 peak as TorchTitan's own MFU rescaled by the two peaks, so both figures come from the
+    one tokens/s (timing tokens/s a second time put them up to a percent apart under load)."""
 
-    def __init__(self, inner: BaseLogger):
+    def __init__(self, inner: BaseLogger, peak: Peak):
         self.inner = inner
+        self.bf16_per_peak = peak.tflops / peak.bf16_tflops
         self.metrics: dict[str, Any] = {}
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
+        if keys.MFU in metrics:
+            metrics = {**metrics, keys.MFU_BF16: metrics[keys.MFU] * self.bf16_per_peak}
         self.metrics = dict(metrics)
         self.inner.log(metrics, step)
 
@@ -151,7 +156,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
                 self.logger = LoggerContainer()  # TorchTitan's no-op logger: nothing enabled
             self.logger.add_logger(JsonlLogger(self.jsonl_path, self.static_fields))
         self.wandb_sync_dir, wandb_url = self._decorate_wandb_run(job_config, parallel_dims.world_size)
-        self.logger = _KeepLast(self.logger)
+        self.logger = _KeepLast(self.logger, self.peak)
         self.stages = PipelineStages(parallel_dims, job_config) if parallel_dims.pp_enabled else None
         self.log_path = console.open_log_file(job_config.job.dump_folder, self.rank)
 
@@ -296,13 +301,7 @@ class MoECommMetricsProcessor(MetricsProcessor):
         if keys.COMM_MS in ours:
             comm_s = ours[keys.COMM_MS] / 1e3
             ours[keys.COMM_BW] = ours[keys.SENT_GB] / comm_s if comm_s > 0 else math.nan
-        # TorchTitan's tokens/s formula, for the second MFU against the bf16 peak; timed just
-        # before TorchTitan times it (after the summary's all-reduce), so both agree closely
-        tps = self.ntokens_since_last_log / (
-            (time.perf_counter() - self.time_last_log) * self.parallel_dims.non_data_parallel_size
-        )
         ours[keys.PEAK_TFLOPS] = self.peak.tflops
-        ours[keys.MFU_BF16] = 100 * self.num_flops_per_token * tps / (self.peak.bf16_tflops * 1e12)
         super().log(
             step,
             global_avg_loss,
