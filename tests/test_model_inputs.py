@@ -110,3 +110,17 @@ def test_each_validation_value_is_the_one_its_archive_file_gives(fig):
     assert (REPO / m["file"]).is_file(), f"{fig['id']}: {m['file']} is gone from the archive"
     from_file = validation.measured({**fig, "measured": {k: v for k, v in m.items() if k != "value"}})
     assert m["value"] == from_file, f"{fig['id']}: measured.value {m['value']!r}, but {m['file']} gives {from_file!r}"
+
+
+def test_a_run_is_read_one_row_per_step_and_an_unknown_reduce_is_named(tmp_path, monkeypatch):
+    """A run's metrics.jsonl is read as `report` reads it (a restart's rows replace the earlier
+    ones from its step on), and a reduce the table cannot mean is an error naming the field."""
+    run = tmp_path / "metrics.jsonl"
+    steps = [(1, 10.0), (2, 20.0), (3, 90.0), (2, 21.0), (3, 30.0), (4, 40.0)]  # restarted at step 2
+    run.write_text("".join(json.dumps({"step": s, "tps": v}) + "\n" for s, v in steps))
+    monkeypatch.setattr(validation, "REPO", tmp_path)
+    fig = {"id": "t", "measured": {"file": "metrics.jsonl", "field": "tps"}}
+    assert validation.measured(fig) == 40.0  # max: the superseded 90 is gone
+    assert validation.measured({**fig, "measured": {**fig["measured"], "reduce": "median", "after_step": 1}}) == 30.0
+    with pytest.raises(ValueError, match=r"t: measured.reduce 'mean' is not one of \['last', 'max', 'median'\]"):
+        validation.measured({**fig, "measured": {**fig["measured"], "reduce": "mean"}})

@@ -13,8 +13,14 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_comm.metrics import history
 from moe_comm.predict import calibration, estimate, scale_model
 from moe_comm.predict.assumptions import REPO, VALIDATION
+
+
+# How a run's metrics.jsonl gives one figure (measured.reduce), over its steps after
+# measured.after_step (a warm-up; 0: every step).
+JSONL_REDUCE = {"max": max, "median": statistics.median, "last": lambda values: values[-1]}
 
 
 def load_figures(path: Path = VALIDATION) -> list[dict]:
@@ -26,15 +32,15 @@ def measured(fig: dict) -> float:
     if "value" in m:
         return float(m["value"])
     path = REPO / m["file"]
-    if path.suffix == ".jsonl":  # a run's metrics: the max, the last, or the median after a warm-up
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        after = m.get("after_step", 0)
-        values = [r.get(m["field"]) for r in records if r.get("step", after + 1) > after]
-        values = [v for v in values if v is not None]
+    if path.suffix == ".jsonl":  # a run's metrics, one row per step as `report` reads them
+        reduce = m.get("reduce", "max")
+        if reduce not in JSONL_REDUCE:
+            raise ValueError(f"{fig['id']}: measured.reduce {reduce!r} is not one of {sorted(JSONL_REDUCE)}")
+        rows = history.newest_rows(path.read_text().splitlines())
+        values = [r[m["field"]] for r in rows if r["step"] > m.get("after_step", 0) and r.get(m["field"]) is not None]
         if not values:
             raise ValueError(f"{fig['id']}: no {m['field']!r} in {m['file']}")
-        reduce = m.get("reduce", "max")
-        return float(max(values) if reduce == "max" else statistics.median(values) if reduce == "median" else values[-1])
+        return float(JSONL_REDUCE[reduce](values))
     data = json.loads(path.read_text())
     if "path" in m:
         for key in m["path"]:
