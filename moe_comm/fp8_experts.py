@@ -14,8 +14,10 @@ experiments/fp8_grouped_gemm_probe.py measures the GEMMs). So nothing here is qu
   group carrying the row's scale) and kept so to the GEMM, or by the receiver's layout kernel
   with dispatch_dtype = "bf16". No dequantise-requantise.
 - weights: one scale per output channel per expert, quantised from the parameters (the bf16
-  weights FSDP gathers, fp32 at world 1) at every forward, i.e. once per step per microbatch,
-  by a kernel of ours that also records each column's amax for the transposed copy dgrad needs.
+  weights FSDP gathers, fp32 at world 1) by a kernel of ours that also records each column's
+  amax for the transposed copy dgrad needs. Where the experts' forward runs more than once per
+  optimizer step (several microbatches, or an activation-checkpointing recompute), both copies
+  are kept in a `WeightCache` until the weights change, so each is made once per step; see it.
 - between the GEMMs: one fused kernel computes silu(h1) * h3 and quantises it; in the backward
   one fused kernel computes the gate's gradient and quantises it.
 
@@ -42,7 +44,10 @@ cumsum(tokens_per_expert)[e], each segment a multiple of ROW_ALIGN (the FP8 GEMM
 rule); rows past the last segment are never read.
 """
 
+import contextlib
+
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from moe_comm import gpus
 from moe_comm.errors import RecipeError
@@ -124,6 +129,104 @@ def check_shapes(dim: int, inter: int) -> None:
                          f"at most {MAX_CHANNELS}: set [moe_comm] expert_dtype = \"bf16\" for this flavor")
 
 
+def caches_weights(forwards_per_step: int, ac_mode: str) -> bool:
+    """Whether a run keeps the e4m3 weights over the step (`WeightCache`): where the experts'
+    forward runs more than once between two optimizer steps - several microbatches (pipeline
+    microbatches or gradient accumulation), or activation checkpointing's recompute. One forward
+    and one backward per step (the one-GPU recipe) reuse nothing, and would only hold the copies."""
+    return forwards_per_step > 1 or ac_mode != "none"
+
+
+def cached_weight_bytes(local_experts: int, dim: int, inter: int) -> int:
+    """What a WeightCache holds for one MoE layer: the forward's e4m3 W1|W3 and W2 with their
+    row scales and column amax, and dgrad's transposed copies with their column scales."""
+    params = 3 * local_experts * dim * inter
+    scales = 4 * local_experts * (2 * inter + dim)  # one fp32 per output channel of each copy
+    return 2 * params + 2 * scales + 4 * local_experts * (dim + inter)  # + the column amax
+
+
+_optimizer_steps = 0  # optimizer steps this process has taken, once a WeightCache exists
+_step_hook = None
+
+
+def _count_optimizer_steps() -> None:
+    """Count every optimizer step from now on (one global hook, whichever optimizer steps)."""
+    global _step_hook
+
+    def stepped(optimizer, args, kwargs):
+        global _optimizer_steps
+        _optimizer_steps += 1
+
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(stepped)
+
+
+class WeightCache:
+    """The experts' e4m3 weights of one MoE layer, made once while the weights stay the same.
+
+    TorchTitan runs the experts' forward once per microbatch, and again in the backward under
+    activation checkpointing; the weights only change at the optimizer step. Quantising them each
+    time costs a pass over every local expert weight (0.74 ms forward and 0.40 ms for dgrad's
+    transposed copies at the flagship rank's 8 experts on an H200, about a tenth of the FP8
+    experts' forward + backward), so where a run's experts run more than once per step
+    (`caches_weights`) the copies are kept here.
+
+    A copy is reused only while no optimizer has stepped since it was made (torch's global
+    optimizer step hook counts the steps) and every weight is the same tensor, at the same
+    storage, with the same version counter. Both, because neither is enough alone: FSDP2 writes
+    each step's all-gathered weights into the unsharded parameters with their version counters
+    preserved, so only the optimizer step says that they changed; an in-place write outside an
+    optimizer (a checkpoint load at world 1, a test) bumps the version. What a cache holds is
+    counted in the memory estimate (`cached_weight_bytes`).
+
+    On CUDA the copies live in a memory pool of their own, and a step's stale copies are dropped
+    before its new ones are made. In the allocator's shared pool, copies made at each step's first
+    forward and kept to its end had the blocks freed by the last step's copies split up by the
+    step's activations in between, so the allocator reserved new ones every step (the one-GPU
+    recipe under full AC: +2 GiB reserved per step, out of memory at step 18). In their own pool
+    the same sizes come back each step and reuse the same blocks."""
+
+    def __init__(self):
+        _count_optimizer_steps()
+        self._key: tuple | None = None
+        self._forward: tuple | None = None
+        self._transposed: dict[str, tuple] = {}
+        self._pool = None  # torch.cuda.MemPool, made at the first CUDA copy
+        self.made = {"forward": 0, "transposed": 0}  # how often each was quantised (tests, benchmark)
+
+    def _in_pool(self, w: torch.Tensor):
+        """Allocate what the quantising makes in the cache's own pool (on CUDA)."""
+        if not w.is_cuda:
+            return contextlib.nullcontext()
+        if self._pool is None:
+            self._pool = torch.cuda.MemPool()
+        return torch.cuda.use_mem_pool(self._pool, w.device)
+
+    @staticmethod
+    def _key_of(weights: tuple) -> tuple:
+        return (_optimizer_steps,) + tuple((id(w._base if w._base is not None else w), w.data_ptr(), w._version,
+                                            tuple(w.shape), w.stride(), w.dtype) for w in weights)
+
+    def forward(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple:
+        """((W1|W3 e4m3, row scales, column amax), (W2 e4m3, row scales, column amax))."""
+        key = self._key_of((w1, w2, w3))
+        if key != self._key or self._forward is None:
+            self._key, self._forward, self._transposed = None, None, {}  # the stale copies go first
+            with self._in_pool(w1):
+                self._forward = (fp8.weights(w1, w3), fp8.weights(w2))
+            self._key = key
+            self.made["forward"] += 1
+        return self._forward
+
+    def transposed(self, name: str, a: torch.Tensor, b: torch.Tensor | None, col_amax: torch.Tensor) -> tuple:
+        """dgrad's transposed copy `name` ("w2" or "w13") of weights the last `forward` saw."""
+        if name not in self._transposed:
+            with self._in_pool(a):
+                self._transposed[name] = fp8.weights_transposed(a, b, col_amax)
+            self.made["transposed"] += 1
+        return self._transposed[name]
+
+
 def _mark(marks: list | None, name: str) -> None:
     """The benchmark's per-step timing (None in training: nothing recorded)."""
     if marks is None:
@@ -143,12 +246,15 @@ class _Fp8Experts(torch.autograd.Function):
     dispatch_fp8_rows says why); x_q/x_scale are the rows."""
 
     @staticmethod
-    def forward(ctx, rows_grad_RD, w1, w2, w3, x_q, x_scale, offsets, wgrad_fp8, marks):
+    def forward(ctx, rows_grad_RD, w1, w2, w3, x_q, x_scale, offsets, wgrad_fp8, cache, marks):
         # dtypes are this function's own: autocast (TorchTitan's at world 1) must not recast them
         with torch.autocast(x_q.device.type, enabled=False):
             _mark(marks, "start")
-            w13_q, w13_scale, w13_col_amax = fp8.weights(w1, w3)
-            w2_q, w2_scale, w2_col_amax = fp8.weights(w2)
+            if cache is not None:
+                (w13_q, w13_scale, w13_col_amax), (w2_q, w2_scale, w2_col_amax) = cache.forward(w1, w2, w3)
+            else:
+                w13_q, w13_scale, w13_col_amax = fp8.weights(w1, w3)
+                w2_q, w2_scale, w2_col_amax = fp8.weights(w2)
             _mark(marks, "weights")
             h13 = fp8.scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_scale, w13_scale, offsets)
             _mark(marks, "gemm_13")
@@ -157,19 +263,27 @@ class _Fp8Experts(torch.autograd.Function):
             y = fp8.scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_scale, w2_scale, offsets)
             _mark(marks, "gemm_2")
         ctx.save_for_backward(x_q, x_scale, offsets, h13, w1, w2, w3, w13_col_amax, w2_col_amax)
-        ctx.wgrad_fp8, ctx.marks = wgrad_fp8, marks
+        ctx.wgrad_fp8, ctx.cache, ctx.marks = wgrad_fp8, cache, marks
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x_q, x_scale, offsets, h13, w1, w2, w3, w13_col_amax, w2_col_amax = ctx.saved_tensors
         marks, inter = ctx.marks, w1.shape[1]
+
+        def transposed(name, a, b, col_amax):
+            # the cache's copies are of the weights its last forward saw; saved_tensors raised
+            # above if these changed since this forward, and the next step's forward comes after
+            if ctx.cache is not None:
+                return ctx.cache.transposed(name, a, b, col_amax)
+            return fp8.weights_transposed(a, b, col_amax)
+
         dy = grad_y.to(torch.bfloat16).contiguous()
         with torch.autocast(dy.device.type, enabled=False):  # as in forward
             _mark(marks, "start")
             dy_q, dy_scale = fp8.quantise_rows(dy, offsets)
             _mark(marks, "quantise_dy")
-            w2t_q, w2t_scale = fp8.weights_transposed(w2, None, w2_col_amax)  # [L, I, D]
+            w2t_q, w2t_scale = transposed("w2", w2, None, w2_col_amax)  # [L, I, D]
             _mark(marks, "weights_t_2")
             dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, w2t_scale, offsets)
             del dy_q, dy_scale, w2t_q
@@ -177,7 +291,7 @@ class _Fp8Experts(torch.autograd.Function):
             dh13_q, dh13_scale, dh13, h = fp8.gate_backward(h13, dh, offsets)
             del dh
             _mark(marks, "gate_backward")
-            w13t_q, w13t_scale = fp8.weights_transposed(w1, w3, w13_col_amax)  # [L, D, 2I]
+            w13t_q, w13t_scale = transposed("w13", w1, w3, w13_col_amax)  # [L, D, 2I]
             _mark(marks, "weights_t_13")
             dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, w13t_scale, offsets)
             del dh13_q, dh13_scale, w13t_q
@@ -198,17 +312,18 @@ class _Fp8Experts(torch.autograd.Function):
                 dw1 = fp8.grouped_mm(dh13[:, :inter].t(), x, offsets)
                 dw3 = fp8.grouped_mm(dh13[:, inter:].t(), x, offsets)
             _mark(marks, "wgrad_gemm")
-        return dx, dw1, dw2, dw3, None, None, None, None, None
+        return dx, dw1, dw2, dw3, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # custom kernels and FP8 GEMMs, eager as TorchTitan's experts run under EP
 def grouped_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, rows_grad_RD: torch.Tensor,
                     rows: Fp8Rows, tokens_per_expert_L: torch.Tensor, wgrad_fp8: bool = True,
-                    marks: list | None = None) -> torch.Tensor:
+                    marks: list | None = None, cache: WeightCache | None = None) -> torch.Tensor:
     """y [R, D] bf16 of the local experts (w1, w3 [L, I, D], w2 [L, D, I], fp32 or bf16, local
     tensors) on the FP8 rows; the rows' gradient returns through rows_grad_RD. `marks`: a list
-    that collects (step, CUDA event) at each step's end, for the benchmark's breakdown."""
+    that collects (step, CUDA event) at each step's end, for the benchmark's breakdown; `cache`:
+    the layer's WeightCache where its weights are quantised once per step."""
     check_shapes(w1.shape[2], w1.shape[1])
     offsets = torch.cumsum(tokens_per_expert_L, dim=0, dtype=torch.int32)
     return _Fp8Experts.apply(rows_grad_RD, w1.contiguous(), w2.contiguous(), w3.contiguous(), rows.data_RD,
-                             rows.scale_R, offsets, wgrad_fp8, marks)
+                             rows.scale_R, offsets, wgrad_fp8, cache, marks)

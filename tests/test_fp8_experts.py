@@ -202,3 +202,94 @@ def test_autocast_leaves_the_fp8_maths_alone():
         under = run_fp8(case)
     for k in plain:
         assert torch.equal(plain[k], under[k]), k
+
+
+def _microbatch(case: Case, w: list[torch.Tensor], cache, dy_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """One microbatch's forward and backward through the FP8 experts on the weights `w` (leaves
+    that accumulate their gradients), with `cache` or without."""
+    carrier = torch.zeros((), dtype=torch.bfloat16, requires_grad=True).expand(case.x_RD.shape)
+    grads = {}
+    carrier.register_hook(lambda g: grads.setdefault("x", g))
+    y = fp8_experts.grouped_experts(*w, carrier, case.rows, case.counts_L, cache=cache)
+    y.backward(case.dy_RD * dy_scale)
+    return {"y": y.detach(), "x": grads["x"]}
+
+
+def test_the_weight_cache_quantises_once_per_step_and_changes_nothing():
+    """Two microbatches and an optimizer step, then two more: with the cache the weights are
+    quantised once per step (and dgrad's two transposed copies once), and every output, rows'
+    gradient and accumulated weight gradient equals the uncached run's bit for bit (the same
+    kernels on the same operands)."""
+    case = make_case(3)
+    runs = {}
+    for cached in (False, True):
+        w = [t.clone().float().requires_grad_(True) for t in (case.w1, case.w2, case.w3)]
+        opt = torch.optim.SGD(w, lr=0.5)
+        cache = fp8_experts.WeightCache() if cached else None
+        out, made = [], []
+        for step in range(2):
+            for mb in range(2):
+                out.append(_microbatch(case, w, cache, dy_scale=1.0 + mb))
+            out.append({f"grad_w{i}": t.grad.clone() for i, t in enumerate(w)})
+            made.append(dict(cache.made) if cache else None)
+            opt.step()
+            opt.zero_grad()
+        runs[cached] = (out, made, [t.detach().clone() for t in w])
+    for got, want in zip(runs[True][0], runs[False][0]):
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
+    assert runs[True][1] == [{"forward": 1, "transposed": 2}, {"forward": 2, "transposed": 4}]
+
+
+def test_the_weight_cache_sees_every_change_of_the_weights():
+    """A weight written in place (version bump) is quantised again; so is one whose values FSDP
+    replaced with its version counter preserved, once any optimizer steps (FSDP2's all-gather
+    does exactly that each step); a different tensor is never served another's copy."""
+    case = make_case(4)
+    w = [t.clone().float() for t in (case.w1, case.w2, case.w3)]
+    cache = fp8_experts.WeightCache()
+
+    def forward(weights):
+        y = fp8_experts.grouped_experts(*weights, torch.zeros((), dtype=torch.bfloat16).expand(case.x_RD.shape),
+                                        case.rows, case.counts_L, cache=cache)
+        fresh = fp8_experts.grouped_experts(*weights, torch.zeros((), dtype=torch.bfloat16).expand(case.x_RD.shape),
+                                            case.rows, case.counts_L)
+        assert torch.equal(y, fresh)
+        return cache.made["forward"]
+
+    assert forward(w) == 1 and forward(w) == 1
+    w[1].mul_(2.0)  # in place: the version counter moves
+    assert forward(w) == 2
+    with torch.autograd._unsafe_preserve_version_counter(w[0]):
+        w[0].mul_(-1.0)  # as FSDP2's all-gather writes the unsharded parameter
+    other = torch.zeros(1, requires_grad=True)
+    other.grad = torch.ones(1)
+    torch.optim.SGD([other], lr=0.1).step()  # an optimizer step, whichever optimizer
+    assert forward(w) == 3
+    assert forward([t.clone() for t in w]) == 4  # other tensors: never another's copy
+
+
+def test_a_run_caches_the_weights_only_where_its_experts_run_twice_per_step():
+    assert not fp8_experts.caches_weights(1, "none")  # the one-GPU recipe: nothing to reuse
+    assert fp8_experts.caches_weights(2, "none")  # pipeline microbatches or gradient accumulation
+    assert fp8_experts.caches_weights(1, "full") and fp8_experts.caches_weights(1, "selective")  # the recompute
+    # forward + transposed copies, e4m3, with their fp32 scales and column amax: 2 B/param and a little
+    assert fp8_experts.cached_weight_bytes(8, 7168, 2048) == 2 * 3 * 8 * 7168 * 2048 + 8 * 8 * (2 * 2048 + 7168) \
+        + 4 * 8 * (7168 + 2048)
+
+
+def test_forwards_per_step_counts_microbatches_and_accumulation():
+    """What moe_comm.titan.parallelize asks before it gives each MoE layer a WeightCache."""
+    from types import SimpleNamespace as NS
+
+    from moe_comm.titan.parallelize import forwards_per_step
+
+    def job(local, global_=-1, mb=1):
+        return NS(training=NS(local_batch_size=local, global_batch_size=global_),
+                  parallelism=NS(pipeline_parallel_microbatch_size=mb))
+
+    dims = NS(dp_replicate=1, dp_shard=4, pp_enabled=False)
+    assert forwards_per_step(job(2), dims) == 1
+    assert forwards_per_step(job(2, global_=16), dims) == 2  # 16 / (2 x 4): two accumulation steps
+    assert forwards_per_step(job(32, mb=1), NS(dp_replicate=1, dp_shard=32, pp_enabled=True)) == 32

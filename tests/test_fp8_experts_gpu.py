@@ -258,3 +258,61 @@ def test_flagship_shape_against_the_emulation(routing, monkeypatch):
     err = errors(got, want, real, counts)
     print(f"{routing}: relative L2 against the emulation " + ", ".join(f"{k} {v:.4f}" for k, v in err.items()))
     assert all(v <= EMULATION_TOLERANCE for v in err.values()), err
+
+
+@pytest.mark.parametrize("routing", list(COUNTS))
+def test_the_weight_cache_at_the_flagship_shape(routing):
+    """Two microbatches, an optimizer step, one more, with and without the WeightCache: the
+    weights quantised once per step, and the outputs and gradients bit for bit the same (the same
+    kernels on the same operands: the cache only keeps what they made). The GEMMs are not
+    deterministic across calls in general; these are, for the same operands, on one stream."""
+    counts = COUNTS[routing]
+    x, dy, w, counts_L, _ = flagship_case(counts)
+    q, scale = ref.quantise_rows(x, ref.MIN_AMAX_ROWS)
+    used = int(counts_L.sum())  # rows past the last expert's segment are never written
+    runs = {}
+    for cached in (False, True):
+        leaves = [t.clone().float().requires_grad_(True) for t in w]
+        opt = torch.optim.SGD(leaves, lr=1e-3)
+        cache = fp8_experts.WeightCache() if cached else None
+        out = []
+        for mb in range(3):
+            carrier = torch.zeros((), dtype=torch.bfloat16, device=DEVICE, requires_grad=True).expand(x.shape)
+            y = fp8_experts.grouped_experts(*leaves, carrier, Fp8Rows(q, scale), counts_L, cache=cache)
+            y.backward(dy)
+            out.append(y.detach()[:used])
+            if mb == 1:
+                out += [t.grad.clone() for t in leaves]
+                opt.step()
+                opt.zero_grad()
+        out += [t.grad.clone() for t in leaves]
+        runs[cached] = (out, cache.made if cache else None)
+    assert runs[True][1] == {"forward": 2, "transposed": 4}
+    for i, (got, want) in enumerate(zip(runs[True][0], runs[False][0])):
+        assert torch.equal(got, want), i
+
+
+def test_the_weight_cache_reserves_nothing_more_step_after_step():
+    """The copies in the cache's own pool: 12 steps of a miss (the weights changed), a forward,
+    a backward and activation-sized allocations in between, and the allocator's reserve stays
+    where it was after the second step (in the shared pool it grew by the copies' size each step
+    in the one-GPU recipe under AC, run 29)."""
+    x, dy, w, counts_L, _ = flagship_case(COUNTS["balanced"])
+    q, scale = ref.quantise_rows(x, ref.MIN_AMAX_ROWS)
+    leaves = [t.clone().float().requires_grad_(True) for t in w]
+    cache = fp8_experts.WeightCache()
+    reserved = []
+    for step in range(12):
+        for t in leaves:
+            torch.autograd.graph.increment_version(t)
+        carrier = torch.zeros((), dtype=torch.bfloat16, device=DEVICE, requires_grad=True).expand(x.shape)
+        y = fp8_experts.grouped_experts(*leaves, carrier, Fp8Rows(q, scale), counts_L, cache=cache)
+        activations = [torch.empty(96 << 20, dtype=torch.uint8, device=DEVICE) for _ in range(4)]
+        y.backward(dy)
+        del y, activations[::2]
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert cache.made["forward"] == 12
+    assert reserved[-1] <= reserved[1], [r >> 20 for r in reserved]

@@ -29,7 +29,8 @@ COMMON = ["rmsnorm", "residual_add", "rope", "silu_mul.experts", "attention.modu
           "attention.module.flex", "attention.module.varlen",
           *[f"attention.core.{k}{d}" for k in ("flex", "varlen") for d in DOCS], "router",
           "reorderer", "shared_expert", "dense_ffn", "recv_permute", "embedding", "output_loss",
-          *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled", "moe_comm_fp8", "moe_comm_fp8_bf16_wgrad")
+          *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled", "moe_comm_fp8", "moe_comm_fp8_bf16_wgrad",
+                                          "moe_comm_fp8_cached")
             for r in ("balanced", "node_limited")]]
 COMPOSITES = ["moe.standard_local", "layer.moe_block"]  # TP 1 only
 # torchao's float8 parts need a GPU; the project's FP8 experts run on CPU with the GEMMs emulated
@@ -213,4 +214,11 @@ def test_fp8_experts_are_timed_step_by_step_against_bf16(bench):
                 assert all(v > 0 for v in p["breakdown"]["steps_ms"].values())
                 assert p["shape"]["align"] == 16 and p["shape"]["wgrad"] == ("fp8" if variant == "moe_comm_fp8" else "bf16")
     lines = lb.fp8_experts_against_bf16(doc)
-    assert len(lines) == 8 and all("x bf16's" in line and "target <= 0.75x" in line for line in lines)
+    assert len(lines) == 12 and all("x bf16's" in line and "target <= 0.75x" in line for line in lines)
+    # the cached part: whole steps of microbatches (--tiny: 2), the weights changed at each step's
+    # start, so its mean per microbatch shares one quantisation out over the step
+    for case in ("flagship", "nebius"):
+        for routing in ("balanced", "node_limited"):
+            p = next(q for q in doc["parts"] if (q["case"], q["name"]) == (case, f"experts.moe_comm_fp8_cached.{routing}"))
+            assert len(p["ms"]["fwd"]["samples"]) % 2 == 0 and "once per step of 2 microbatches" in p["note"]
+    assert sum("once per 2 microbatches, mean per microbatch" in line for line in lines) == 4

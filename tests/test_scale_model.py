@@ -531,6 +531,28 @@ def test_comm_free_recompute_keeps_its_tensors_in_the_memory():
     assert scale_model.memory(replace(w, ac_mode="none"), "nvshmem").comm_kept == 0
 
 
+def test_fp8_experts_kept_weights_are_in_the_memory_where_the_run_keeps_them():
+    """Issue 35: where the FP8 experts run more than once per step (microbatches, recompute),
+    their e4m3 weights stay over the step (moe_comm.fp8_experts.WeightCache): every MoE layer of
+    the busiest pipeline rank holds cached_weight_bytes more; bf16 experts and a run with one
+    forward per step hold none."""
+    from moe_comm import fp8_experts
+
+    w = replace(_deepep_workload(), expert_dtype="fp8")
+    bf16, fp8 = scale_model.memory(replace(w, expert_dtype="bf16"), "nvshmem"), scale_model.memory(w, "nvshmem")
+    per_layer = fp8_experts.cached_weight_bytes(w.args.moe_args.num_experts // w.layout.ep, w.args.dim,
+                                                w.args.moe_inter_dim)
+    assert bf16.fp8_weights == 0 and fp8.fp8_weights > 0 and fp8.fp8_weights % per_layer == 0
+    assert fp8.total == pytest.approx(bf16.total + fp8.fp8_weights)  # PP: the transposed copies are there too
+    # without PP the forward's end holds the forward copies only (the one-GPU recipe under AC, run 30)
+    nopp = replace(w, layout=replace(w.layout, pp=1, dp_shard=w.layout.dp_shard * w.layout.pp), local_batch=1)
+    a, b = scale_model.memory(replace(nopp, expert_dtype="bf16"), "nvshmem"), scale_model.memory(nopp, "nvshmem")
+    assert b.forward_end - a.forward_end == pytest.approx(b.fp8_weights / 2)
+    assert b.backward_end - a.backward_end == pytest.approx(b.fp8_weights)
+    one = replace(w, ac_mode="none", layout=replace(w.layout, pp=1, dp_shard=w.layout.dp_shard * w.layout.pp))
+    assert one.microbatches == 1 and scale_model.memory(one, "nvshmem").fp8_weights == 0
+
+
 def test_microbatch_overlap_prices_what_hides_behind_what():
     """Issue 37 item 2, as moe_comm.titan.pipeline ships it: in Interleaved1F1B's overlapped pairs
     (schedule.Pipeline.microbatch_pairs of the rank) the forward's dispatch hides behind the other

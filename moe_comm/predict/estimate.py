@@ -185,19 +185,26 @@ class MemoryEstimate:
     comm_kept: float = 0.0
     # the memory pools of the MoE calls' CUDA graphs (call_graph_bytes), held for the whole step
     call_graphs: float = 0.0
+    # the FP8 experts' e4m3 weights, kept over the step where their forward runs more than once
+    # (moe_comm.fp8_experts.WeightCache): the forward's copies from the step's first forward, dgrad's
+    # transposed copies (as many bytes) from its first backward to the next step's first forward
+    fp8_weights: float = 0.0
 
     @property
     def forward_end(self) -> float:
         """The most activations alive; with PP, the accumulating gradients are there too (the
-        first microbatch's backward precedes the last one's forward)."""
+        first microbatch's backward precedes the last one's forward), and so are the FP8
+        experts' transposed copies; without PP only their forward copies are."""
         held = (self.params_and_optimizer + self.fsdp_working_set + self.weight_copies + self.activations
                 + self.comm_kept + self.logits + self.call_graphs)
-        return held + (self.grad_reduce if self.pipelined else 0.0)
+        if self.pipelined:
+            return held + self.grad_reduce + self.fp8_weights
+        return held + self.fp8_weights / 2
 
     @property
     def backward_end(self) -> float:
         return (self.params_and_optimizer + self.gradients + self.fsdp_working_set + self.grad_reduce
-                + self.call_graphs)
+                + self.call_graphs + self.fp8_weights)
 
     @property
     def total(self) -> float:
@@ -268,25 +275,28 @@ def pipeline_ranks(a, layout: Layout, local_batch: int, microbatch: int, pp_sche
 def memory_per_gpu(
     a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int = 1,
     pp_schedule: str = "1F1B", layers_per_stage: int | None = None, *, comm_kept_per_layer: float = 0.0,
-    extra_chunks: int = 0, call_graphs_per_layer: float = 0.0,
+    extra_chunks: int = 0, call_graphs_per_layer: float = 0.0, fp8_weights_per_layer: float = 0.0,
 ) -> MemoryEstimate:
     """Per-GPU memory; with PP, of the pipeline rank that holds the most. `comm_kept_per_layer`:
     the bytes activation checkpointing keeps per MoE layer and microbatch so that its recompute
     re-runs no communication (comm_kept_bytes, for the run's backend; 0 where the recompute
     re-runs it, as TorchTitan's own does); `extra_chunks`: microbatch-stages a schedule holds
     beyond its own (the microbatch overlap's one more warmup forward); `call_graphs_per_layer`: the
-    MoE calls' CUDA graph pools per MoE layer (call_graph_bytes, for a backend that graphs them)."""
+    MoE calls' CUDA graph pools per MoE layer (call_graph_bytes, for a backend that graphs them);
+    `fp8_weights_per_layer`: what the FP8 experts keep of their e4m3 weights per MoE layer
+    (moe_comm.fp8_experts.cached_weight_bytes, where the run caches them)."""
     if layout.pp > 1:
         ranks = pipeline_ranks(a, layout, local_batch, microbatch, pp_schedule, layers_per_stage)
         return max((_memory(a, layout, local_batch, seq_len, ac_mode, microbatch, r, comm_kept_per_layer,
-                            extra_chunks, call_graphs_per_layer) for r in ranks), key=lambda mem: mem.total)
+                            extra_chunks, call_graphs_per_layer, fp8_weights_per_layer) for r in ranks),
+                   key=lambda mem: mem.total)
     return _memory(a, layout, local_batch, seq_len, ac_mode, microbatch, None, comm_kept_per_layer,
-                   call_graphs_per_layer=call_graphs_per_layer)
+                   call_graphs_per_layer=call_graphs_per_layer, fp8_weights_per_layer=fp8_weights_per_layer)
 
 
 def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int,
             rank: PipelineRank | None, comm_kept_per_layer: float = 0.0, extra_chunks: int = 0,
-            call_graphs_per_layer: float = 0.0) -> MemoryEstimate:
+            call_graphs_per_layer: float = 0.0, fp8_weights_per_layer: float = 0.0) -> MemoryEstimate:
     p = count_params(a)
     shard = layout.dp_shard * layout.cp * layout.tp * layout.pp
     routed_per_block = expert_params(a, a.moe_args.num_experts)
@@ -348,7 +358,7 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
         fsdp_working_set=fsdp_working_set, grad_reduce=grad_reduce, activations=activations,
         weight_copies=weight_copies, logits=logits, allocator_cache=cache, pipelined=rank is not None,
         microbatches_in_flight=in_flight, stages_per_rank=rank.pipe.v if rank else 1, comm_kept=comm_kept,
-        call_graphs=call_graphs_per_layer * moe_layers,
+        call_graphs=call_graphs_per_layer * moe_layers, fp8_weights=fp8_weights_per_layer * moe_layers,
     )
 
 

@@ -38,7 +38,7 @@ value and the optimistic end.
 
 from dataclasses import dataclass, replace
 
-from moe_comm import gpus
+from moe_comm import fp8_experts, gpus
 from moe_comm.backends import backend_class, names
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
@@ -798,13 +798,18 @@ def comm_kept_per_layer(w: Workload, backend: str) -> float:
 def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
     """The memory estimate of a workload run by `backend`: what its recompute keeps of each MoE
     layer's communication, the microbatch overlap's one more microbatch-stage in flight, and the
-    CUDA graph pools of a backend whose MoE calls replay from graphs (our kernels')."""
+    CUDA graph pools of a backend whose MoE calls replay from graphs (our kernels'), and the FP8
+    experts' e4m3 weights where the run keeps them over the step."""
     graphs = (estimate.call_graph_bytes(w.args, w.tokens_per_call, w.layout.ep, w.recv_capacity_factor)
               if w.cuda_graphs and backend_class(backend).call_graphs else 0.0)
+    fp8_weights = 0.0
+    if w.expert_dtype == "fp8" and fp8_experts.caches_weights(w.microbatches, w.ac_mode):
+        fp8_weights = fp8_experts.cached_weight_bytes(w.args.moe_args.num_experts // max(w.layout.ep, 1),
+                                                      w.args.dim, w.args.moe_inter_dim)
     return estimate.memory_per_gpu(
         w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch, w.pp_schedule, w.layers_per_stage,
         comm_kept_per_layer=comm_kept_per_layer(w, backend), extra_chunks=1 if w.overlap == "microbatch" else 0,
-        call_graphs_per_layer=graphs)
+        call_graphs_per_layer=graphs, fp8_weights_per_layer=fp8_weights)
 
 
 def predict_all(w: Workload, cluster: Cluster, cal: Calibration) -> dict[str, StepPrediction]:

@@ -63,11 +63,14 @@ class TokenLevelExperts(GroupedExperts):
     grouped GEMMs run in FP8 (moe_comm.fp8_experts), on the same parameters."""
 
     rows_from_backend: bool = False
+    # set by moe_comm.titan.parallelize where the FP8 experts run more than once per step
+    fp8_weight_cache: "fp8_experts.WeightCache | None" = None
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                 fp8_rows: "fp8_experts.Fp8Rows | None" = None) -> torch.Tensor:
         if fp8_rows is not None:  # x carries the rows' gradient (a zero-stride view), not the rows
-            return fp8_experts.grouped_experts(*self._local_weights(), x, fp8_rows, num_tokens_per_expert)
+            return fp8_experts.grouped_experts(*self._local_weights(), x, fp8_rows, num_tokens_per_expert,
+                                               cache=self.fp8_weight_cache)
         if x.dim() == 2 and x.numel() and x.stride() == (0, 0):
             raise RuntimeError("the experts got the gradient carrier of FP8 rows without the rows: with [moe_comm] "
                                'expert_dtype = "fp8" pass DispatchResult.recv_fp8 to the experts')

@@ -27,7 +27,7 @@ from torchtitan.models.llama3.infra.parallelize import apply_ddp
 from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp, apply_moe_ep_tp
 from torchtitan.tools.logging import logger
 
-from moe_comm import gpus
+from moe_comm import fp8_experts, gpus
 from moe_comm.backends import backend_class
 from moe_comm.layout import check_layout, Layout, run_plan
 from moe_comm.titan import cpu, recompute
@@ -41,6 +41,17 @@ def run_layout(parallel_dims: ParallelDims) -> Layout:
     d = parallel_dims
     return Layout(d.world_size, max(1, d.world_size // per_node), per_node, d.dp_replicate, d.dp_shard,
                   d.cp, d.tp, d.pp, d.ep, d.etp)
+
+
+def forwards_per_step(job_config: JobConfig, parallel_dims: ParallelDims) -> int:
+    """How often each layer's forward runs between two optimizer steps, recompute aside: the
+    pipeline's microbatches times the gradient-accumulation steps (TorchTitan's arithmetic)."""
+    t = job_config.training
+    batch_degree = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    accumulation = max(1, t.global_batch_size // (t.local_batch_size * batch_degree)) if t.global_batch_size > 0 else 1
+    microbatches = (t.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size
+                    if parallel_dims.pp_enabled else 1)
+    return accumulation * microbatches
 
 
 def check_before_build(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
@@ -115,6 +126,12 @@ def parallelize_deepseekv3_moe_comm(
         )
 
     apply_backend_ep(model, ep_mesh(parallel_dims), job_config.moe_comm)
+    if job_config.moe_comm.expert_dtype == "fp8" and fp8_experts.caches_weights(
+        forwards_per_step(job_config, parallel_dims), job_config.activation_checkpoint.mode
+    ):
+        for block in model.layers.values():
+            if block.moe_enabled:
+                block.moe.experts.fp8_weight_cache = fp8_experts.WeightCache()
     # An overlap across microbatches: TorchTitan wraps its ExpertParallel in DualPipeExpertParallel
     # under DualPipeV; our dispatch/combine live in TokenLevelMoE.forward, so the sync points go
     # there, for DualPipeV and for overlap "microbatch" (moe_comm.titan.pipeline) alike.
