@@ -23,6 +23,7 @@ Command line (used by .ci/run):  python tests/slurm_cluster.py install
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -67,14 +68,25 @@ def install() -> None:
         raise RuntimeError(f"apt-get installed {PACKAGES} but {still} are still not on PATH")
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel hands out for bind(0) and outgoing connections."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def _free_port_block(n: int) -> int:
-    """First of n consecutive free TCP ports (so parallel CI jobs on one host do not collide)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
-            continue
+    """First of n consecutive free TCP ports (so parallel CI jobs on one host do not collide),
+    below the ephemeral range: the daemons bind them seconds after this check, and in between
+    every gloo connection and bind(0) of the suite's trainings takes ephemeral ports (a slurmd
+    once found its port taken: "Unable to bind listen port (38304): Address already in use")."""
+    low, _ = _ephemeral_ports()
+    top = min(low, 65000) - n
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, top)
         ok = True
         for p in range(base, base + n):
             with socket.socket() as s:
