@@ -175,8 +175,10 @@ class WeightCache:
     optimizer step hook counts the steps) and every weight is the same tensor, at the same
     storage, with the same version counter. Both, because neither is enough alone: FSDP2 writes
     each step's all-gathered weights into the unsharded parameters with their version counters
-    preserved, so only the optimizer step says that they changed; an in-place write outside an
-    optimizer (a checkpoint load at world 1, a test) bumps the version. What a cache holds is
+    preserved, and an optimizer's in-place update of an EP-sharded DTensor weight runs on its
+    local tensor below autograd, which leaves the version of what `to_local()` returns as it was;
+    so only the optimizer step says that they changed. An in-place write outside an optimizer (a
+    checkpoint load at world 1, a test) bumps the version. What a cache holds is
     counted in the memory estimate (`cached_weight_bytes`).
 
     On CUDA the copies live in a memory pool of their own, and a step's stale copies are dropped
