@@ -91,3 +91,54 @@ def test_the_weight_cache_follows_fsdp2s_weights_bit_for_bit():
         assert kept["made"] == {"forward": 3, "transposed": 6}, kept  # once per step, as PP runs
         # why the optimizer steps are in the key: FSDP2 preserved the version over the new weights
         assert len(set(kept["versions"])) == 1, kept["versions"]
+
+
+def _ep_worker(rank, port, results):
+    """Expert weights sharded over 2 ranks as DTensors (what EP makes of them), the experts on
+    their local tensors as TokenLevelExperts runs them, AdamW between steps."""
+    init_gloo(rank, 2, port)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard
+
+    from moe_comm import fp8_experts
+    from moe_comm.fp8_experts import Fp8Rows
+    from moe_comm.kernels import fp8_reference as ref
+
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(20 + rank)
+    local = PADDED[2 * rank:2 * rank + 2]
+    x = torch.randn(sum(local), D, generator=g).to(torch.bfloat16)
+    rows = Fp8Rows(*ref.quantise_rows(x, ref.MIN_AMAX_ROWS))
+    counts = torch.tensor(local, dtype=torch.int32)
+    outs, versions = {}, []
+    for cached in (False, True):
+        full = Experts()
+        params = [nn.Parameter(distribute_tensor(getattr(full, n).detach(), mesh, [Shard(0)])) for n in ("w1", "w2", "w3")]
+        opt = torch.optim.AdamW(params, lr=0.05)
+        cache = fp8_experts.WeightCache() if cached else None
+        got = []
+        for step in range(3):
+            w = [p.to_local() for p in params]
+            versions.append(w[0]._version)
+            carrier = torch.zeros((), dtype=torch.bfloat16, requires_grad=True).expand(x.shape)
+            y = fp8_experts.grouped_experts(*w, carrier, rows, counts, cache=cache)
+            y.float().sum().backward()
+            got += [y.detach().clone()] + [p.grad.to_local().clone() for p in params]
+            opt.step()
+            opt.zero_grad()
+        outs[cached] = (got, dict(cache.made) if cache else None)
+    results[rank] = {"equal": all(torch.equal(a, b) for a, b in zip(outs[True][0], outs[False][0])),
+                     "made": outs[True][1], "versions": versions}
+    dist.destroy_process_group()
+
+
+def test_the_weight_cache_follows_ep_sharded_weights_the_optimizer_changes():
+    """AdamW updates a DTensor's local tensor below autograd: the version of what to_local()
+    returns stays as it was while the values change, so only the optimizer-step key refreshes
+    the cache; with it, every step's output and gradients equal the uncached model's."""
+    results = mp.Manager().dict()
+    ranks.spawn(_ep_worker, args=(free_port(), results), nprocs=2)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["equal"] and r["made"] == {"forward": 3, "transposed": 6}, r
+        assert len(set(r["versions"])) == 1, r["versions"]  # the values changed, the version did not
