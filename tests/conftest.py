@@ -8,7 +8,9 @@ the tests that need none run; a test that needs a run of its own says why in its
 
 - `train(dump, *overrides)`: `python -m moe_comm train recipes/debug_cpu.toml` into `dump`, as
   a user runs it from the repository root; the result has `.console` (stdout + stderr without
-  colour codes) and `.dump`.
+  colour codes) and `.dump`. `forked_train` runs the same training in ranks forked from
+  tests/ranks.py's fork server, without the launcher and torchrun (FORKED_RUNS: the shared runs
+  whose tests read only their losses).
 - `shared_run(name)` (a fixture returning a function): the finished run `name` of SHARED_RUNS,
   waiting for it if it is still training. `default_run` is shared_run("default"), the README's
   main job exactly as a user runs it. Read them, never train into their folders again: copy one
@@ -30,6 +32,7 @@ import sys
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -59,6 +62,10 @@ SHARED_RUNS = {
     # 4 steps with a checkpoint every 2: test_train_lifecycle copies it to resume, extend or break it
     "checkpointed": (*NO_WANDB, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4"),
 }
+# The shared runs whose tests read only their losses: their ranks are forked from tests/ranks.py's
+# fork server (tests/titan_rank.py) instead of started by `train` and torchrun, which saves each
+# ~25 CPU-seconds of start-up; the same trainer with the same arguments, on 2 ranks.
+FORKED_RUNS = {"titan_ep2", "ours_ep1", "ours_ep2_bf16", "titan_ep2_bf16"}
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -81,6 +88,18 @@ def train(dump: Path, *overrides: str, env: dict[str, str] | None = None, timeou
     return proc
 
 
+def forked_train(dump: Path, *overrides: str, world: int = 2) -> SimpleNamespace:
+    """`train(dump, *overrides)`'s training without the launcher and torchrun: its `world` ranks
+    forked from the fork server (tests/titan_rank.py), their output in dump/logs/rank{R}.log. A
+    failing rank raises, naming it (tests/ranks.py)."""
+    import ranks
+    from metrics_fakes import free_port
+
+    argv = ["--job.config_file", RECIPE, "--job.dump_folder", str(dump), *overrides]
+    ranks.spawn("titan_rank:run_rank", args=(world, free_port(), argv, str(Path(dump) / "logs")), nprocs=world)
+    return SimpleNamespace(returncode=0, console="", dump=Path(dump))
+
+
 class _SharedRuns:
     """SHARED_RUNS training in the background, two at a time, into one temporary folder."""
 
@@ -88,7 +107,8 @@ class _SharedRuns:
         self.folder = Path(tempfile.mkdtemp(prefix="moe_comm-shared-runs-"))
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shared-run")
         self.futures: dict[str, Future] = {
-            name: self.pool.submit(train, self.folder / name, *overrides) for name, overrides in SHARED_RUNS.items()
+            name: self.pool.submit(forked_train if name in FORKED_RUNS else train, self.folder / name, *overrides)
+            for name, overrides in SHARED_RUNS.items()
         }
 
     def get(self, name: str) -> subprocess.CompletedProcess:

@@ -1,6 +1,9 @@
-"""End-to-end CPU training checks on the debug model (2 gloo processes, seq 256, batch 2), each
-run through `python -m moe_comm train`, comparing the exact losses of its JSONL (float64 of
-TorchTitan's all-reduced loss, written with a round-trip repr).
+"""End-to-end CPU training checks on the debug model (2 gloo processes, seq 256, batch 2),
+comparing the exact losses of each run's JSONL (float64 of TorchTitan's all-reduced loss, written
+with a round-trip repr). Our EP 2 fp32 run goes through `python -m moe_comm train` (the README's
+main job); the runs it is compared with run the same trainer with the same arguments in ranks
+forked from the test session's fork server (tests/titan_rank.py), which skips ~25 CPU-seconds of
+start-up each; their losses equal the launched run's bit for bit, as the first test shows.
 
 - "nccl" through our EP hook equals TorchTitan's own standard deepseek_v3 path to the bit, with
   fp32 and with bf16 params (model.name "deepseek_v3_titan": TorchTitan's model, ExpertParallel
