@@ -35,9 +35,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed import dual_pipe_v
 from torchtitan.distributed.dual_pipe_v import overlap_callback
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torchtitan.config import ConfigManager
 from torchtitan.models.deepseek_v3 import deepseekv3_args
-from torchtitan.tools.logging import init_logger
 from torchtitan.train import Trainer
 
 from moe_comm.backends.nccl import NcclBackend
@@ -210,18 +208,11 @@ FLAVOR = "debugmodel_4heads"
 def run_rank(rank: int, world: int, port: int, variants: str, argv: list[str]) -> None:
     """One rank of a training, started by tests/ranks.py as torchrun would start
     `-m torchtitan.train ARGV` with this trainer (from the repository root: recipes name their
-    assets from there). torchtitan.train.main's steps, with ARGV given (main reads sys.argv)."""
+    assets from there). torchtitan.train.main's steps, with ARGV given (ranks.train_here)."""
     ranks.torchrun_env(rank, world, port)
     os.environ["MOE_COMM_TEST_VARIANTS"] = variants
     os.chdir(REPO)
     args = copy.deepcopy(deepseekv3_args["debugmodel"])
     args.n_heads = 4
     deepseekv3_args.setdefault(FLAVOR, args)
-    init_logger()
-    trainer = OverlapTrainer(ConfigManager().parse_args(argv))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    ranks.train_here(OverlapTrainer, argv)

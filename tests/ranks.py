@@ -7,7 +7,7 @@ them once for the session; each child then runs the function as spawn would: ran
 caller's environment and working directory, a failing rank fails the call with its traceback.
 
 `torchrun_env` gives a rank what torchrun would (RANK, LOCAL_RANK, WORLD_SIZE, ..., one thread),
-for the tests that run TorchTitan's trainer itself; the `train` verb's own launch is tested
+and `train_here` runs a TorchTitan trainer in it, for the tests that run TorchTitan's trainer itself; the `train` verb's own launch is tested
 through torchrun (tests/conftest.py's runs).
 """
 
@@ -59,3 +59,22 @@ def torchrun_env(rank: int, world: int, port: int) -> None:
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1, which the imported torch no longer reads
+
+
+def train_here(trainer_class, argv: list[str]) -> None:
+    """torchtitan.train.main's steps in this process, with ARGV given: main() parses sys.argv
+    through a default argument fixed when TorchTitan was imported, and the fork server imported it
+    before any rank's argv existed. The trainer is closed and the process group destroyed however
+    training ends."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    trainer = trainer_class(ConfigManager().parse_args(argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+

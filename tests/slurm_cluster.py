@@ -68,13 +68,12 @@ def install() -> None:
         raise RuntimeError(f"apt-get installed {PACKAGES} but {still} are still not on PATH")
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range the kernel hands out for bind(0) and outgoing connections."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for bind(0) and outgoing connections."""
     try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _free_port_block(n: int) -> int:
@@ -82,8 +81,7 @@ def _free_port_block(n: int) -> int:
     below the ephemeral range: the daemons bind them seconds after this check, and in between
     every gloo connection and bind(0) of the suite's trainings takes ephemeral ports (a slurmd
     once found its port taken: "Unable to bind listen port (38304): Address already in use")."""
-    low, _ = _ephemeral_ports()
-    top = min(low, 65000) - n
+    top = min(_ephemeral_low(), 65000) - n
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(10000, top)

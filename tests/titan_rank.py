@@ -1,8 +1,7 @@
 """One rank of `python -m moe_comm train`'s training, forked from tests/ranks.py's fork server
 instead of started by torchrun: what `python -m moe_comm.trainer` runs (TorchTitan's
 main(Trainer)'s steps, with the arguments the launcher gives torchrun's ranks, in the environment
-it gives them). The steps are spelled out because main() parses sys.argv through a default
-argument TorchTitan's import fixed, and the fork server imported it before any rank's argv.
+it gives them), through tests/ranks.py's train_here (why not main() itself: it says).
 
 For the shared runs whose tests read only their losses (tests/test_train_equality.py): a torchrun
 start costs ~25 CPU-seconds on a 2-core machine before the first step (the launcher's imports,
@@ -30,19 +29,9 @@ def run_rank(rank: int, world: int, port: int, argv: list[str], log_dir: str) ->
     os.environ.update(WANDB_MODE="offline", HF_DATASETS_OFFLINE="1")  # as the launcher sets them for c4_test
     ranks.torchrun_env(rank, world, port)
     os.chdir(REPO)
-    import torch
-    from torchtitan.config import ConfigManager
-    from torchtitan.tools.logging import init_logger
     from torchtitan.train import Trainer
 
     from moe_comm import console
 
     console.hold_early_lines()
-    init_logger()
-    trainer = Trainer(ConfigManager().parse_args(argv))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    ranks.train_here(Trainer, argv)
