@@ -17,6 +17,14 @@ def _at_least(section: str, name: str, value: int, low: int, why: str) -> None:
         raise RecipeError(f"[{section}] {name} = {value} must be >= {low} ({why})")
 
 
+def accumulation_steps(training, dp_replicate: int, dp_shard: int) -> int:
+    """TorchTitan's gradient-accumulation steps per optimizer step (train.py): [training]
+    global_batch_size over the local batch times the batch's data-parallel degree; 1 where
+    global_batch_size is -1 (one local batch per rank and step)."""
+    batch = training.local_batch_size * dp_replicate * dp_shard
+    return max(1, training.global_batch_size // batch) if training.global_batch_size > 0 else 1
+
+
 def check(config, layout: Layout) -> None:
     """Raise RecipeError naming the field and the fix for a value TorchTitan cannot run."""
     t, m, c, lr, p = config.training, config.metrics, config.checkpoint, config.lr_scheduler, config.parallelism

@@ -551,6 +551,8 @@ def test_fp8_experts_kept_weights_are_in_the_memory_where_the_run_keeps_them():
     assert b.backward_end - a.backward_end == pytest.approx(b.fp8_weights)
     one = replace(w, ac_mode="none", layout=replace(w.layout, pp=1, dp_shard=w.layout.dp_shard * w.layout.pp))
     assert one.microbatches == 1 and scale_model.memory(one, "nvshmem").fp8_weights == 0
+    # gradient accumulation runs the forward twice per step too ([training] global_batch_size)
+    assert scale_model.memory(replace(one, accumulation=2), "nvshmem").fp8_weights > 0
 
 
 def test_microbatch_overlap_prices_what_hides_behind_what():

@@ -78,3 +78,15 @@ def test_interval_0_is_refused_by_every_verb(verb, capsys, tmp_path):
     out = capsys.readouterr()
     assert rc == 2 and "[checkpoint] interval = 0 must be >= 1" in out.err, out
     assert "torch.distributed.run" not in out.out
+
+
+def test_accumulation_steps_are_titans():
+    """The one count of gradient-accumulation steps the metrics, the FP8 weight cache and the
+    memory estimate share (TorchTitan's train.py arithmetic)."""
+    from types import SimpleNamespace
+
+    from moe_comm.titan_fields import accumulation_steps
+
+    assert accumulation_steps(SimpleNamespace(local_batch_size=2, global_batch_size=-1), 1, 4) == 1
+    assert accumulation_steps(SimpleNamespace(local_batch_size=2, global_batch_size=16), 1, 4) == 2
+    assert accumulation_steps(SimpleNamespace(local_batch_size=2, global_batch_size=48), 2, 3) == 4

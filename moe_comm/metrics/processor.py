@@ -36,7 +36,7 @@ from torchtitan.components.metrics import (
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import Color, NoColor
 
-from moe_comm import console
+from moe_comm import console, titan_fields
 from moe_comm.backends import backend_class
 from moe_comm.kernels import call_graphs, emulated_link
 from moe_comm.metrics import history, keys, naming
@@ -161,10 +161,9 @@ class MoECommMetricsProcessor(MetricsProcessor):
         self.log_path = console.open_log_file(job_config.job.dump_folder, self.rank)
 
         self._started = time.perf_counter()
-        t = job_config.training
-        batch = t.local_batch_size * parallel_dims.dp_replicate * parallel_dims.dp_shard
         # TorchTitan's (train.py): each step loads this many batches, one data_loading_times entry each
-        self._accumulation = max(1, t.global_batch_size // batch) if t.global_batch_size > 0 else 1
+        self._accumulation = titan_fields.accumulation_steps(job_config.training, parallel_dims.dp_replicate,
+                                                             parallel_dims.dp_shard)
         self._first_batch = False
         self._last_logged_step: int | None = None  # None until this process logs: a resumed run starts past 0
         self._first_log: tuple[int, float] | None = None  # (step, time) of the first log line

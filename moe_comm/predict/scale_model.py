@@ -38,7 +38,7 @@ value and the optimistic end.
 
 from dataclasses import dataclass, replace
 
-from moe_comm import fp8_experts, gpus
+from moe_comm import fp8_experts, gpus, titan_fields
 from moe_comm.backends import backend_class, names
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
@@ -148,6 +148,9 @@ class Workload:
     recompute_comm: bool = False
     recv_capacity_factor: float = 0.0  # [moe_comm] recv_capacity_factor (the memory the recompute keeps)
     cuda_graphs: bool = True  # [moe_comm] cuda_graphs (their pools, for a backend whose calls replay from them)
+    # gradient-accumulation steps per optimizer step ([training] global_batch_size over the local
+    # batch and the batch's data-parallel degree, as TorchTitan divides it)
+    accumulation: int = 1
 
     @property
     def tokens_per_call(self) -> int:
@@ -210,6 +213,7 @@ def workload_from_recipe(r) -> Workload:
         documents=dataset_documents(c.training.dataset, c.training.dataset_path), expert_dtype=mc.expert_dtype,
         combine_grad_dtype=mc.combine_grad_dtype, recompute_comm=c.model.name != OUR_MODEL_NAME,
         recv_capacity_factor=mc.recv_capacity_factor, cuda_graphs=mc.cuda_graphs,
+        accumulation=titan_fields.accumulation_steps(c.training, r.layout.dp_replicate, r.layout.dp_shard),
     )
 
 
@@ -803,7 +807,7 @@ def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
     graphs = (estimate.call_graph_bytes(w.args, w.tokens_per_call, w.layout.ep, w.recv_capacity_factor)
               if w.cuda_graphs and backend_class(backend).call_graphs else 0.0)
     fp8_weights = 0.0
-    if w.expert_dtype == "fp8" and fp8_experts.caches_weights(w.microbatches, w.ac_mode):
+    if w.expert_dtype == "fp8" and fp8_experts.caches_weights(w.microbatches * w.accumulation, w.ac_mode):
         fp8_weights = fp8_experts.cached_weight_bytes(w.args.moe_args.num_experts // max(w.layout.ep, 1),
                                                       w.args.dim, w.args.moe_inter_dim)
     return estimate.memory_per_gpu(

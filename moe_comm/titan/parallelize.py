@@ -27,7 +27,7 @@ from torchtitan.models.llama3.infra.parallelize import apply_ddp
 from torchtitan.models.llama4.infra.parallelize import apply_compile, apply_fsdp, apply_moe_ep_tp
 from torchtitan.tools.logging import logger
 
-from moe_comm import fp8_experts, gpus
+from moe_comm import fp8_experts, gpus, titan_fields
 from moe_comm.backends import backend_class
 from moe_comm.layout import check_layout, Layout, run_plan
 from moe_comm.titan import cpu, recompute
@@ -47,8 +47,7 @@ def forwards_per_step(job_config: JobConfig, parallel_dims: ParallelDims) -> int
     """How often each layer's forward runs between two optimizer steps, recompute aside: the
     pipeline's microbatches times the gradient-accumulation steps (TorchTitan's arithmetic)."""
     t = job_config.training
-    batch_degree = parallel_dims.dp_replicate * parallel_dims.dp_shard
-    accumulation = max(1, t.global_batch_size // (t.local_batch_size * batch_degree)) if t.global_batch_size > 0 else 1
+    accumulation = titan_fields.accumulation_steps(t, parallel_dims.dp_replicate, parallel_dims.dp_shard)
     microbatches = (t.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size
                     if parallel_dims.pp_enabled else 1)
     return accumulation * microbatches
