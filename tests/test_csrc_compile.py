@@ -8,6 +8,8 @@ import shutil
 import struct
 from pathlib import Path
 
+import pytest
+
 from in_process import run_verb
 
 from moe_comm.kernels import build as build_module
@@ -27,10 +29,12 @@ def test_kernels_compile_and_device_link_for_sm90_and_sm100(csrc_build):
     dlink = csrc_build / "obj" / "dlink.o"
     assert dlink.stat().st_size > 0
     objects = sorted(p.name for p in (csrc_build / "obj").glob("*.o"))
-    # Every kernel and host file of the tree, subfolders included, has its object.
-    sources = sorted(list(CSRC.rglob("*.cu")) + list(CSRC.rglob("*.cpp")))
-    assert {"comm", "layout", "internode", "runtime", "ops"} <= {p.parent.name for p in sources}
-    assert objects == sorted([build_module._object_name(p) for p in sources] + ["dlink.o"])
+    # Every kernel of the tree, subfolders included, has its object (the op bindings, *.cpp, are
+    # compiled without code generation: the build fails if one does not compile).
+    kernels, bindings = sorted(CSRC.rglob("*.cu")), sorted(CSRC.rglob("*.cpp"))
+    assert {"comm", "layout", "internode", "runtime"} <= {p.parent.name for p in kernels}
+    assert {"comm", "experts", "ops", "runtime"} <= {p.parent.name for p in bindings}
+    assert objects == sorted([build_module._object_name(p) for p in kernels] + ["dlink.o"])
     # both targets are real SASS (an ELF cubin each), not PTX left for the driver to compile
     assert _fatbin_entries(csrc_build / "obj" / "comm__dispatch.o") == [("cubin", 90), ("cubin", 100)]
 
@@ -86,3 +90,17 @@ def test_the_check_parses_once_and_assembles_for_every_architecture(tmp_path, mo
     kernel = tree / "comm" / "dispatch.cu"
     kernel.write_text(kernel.read_text() + "\n#if __CUDA_ARCH__ >= 1000\n#endif\n")
     assert build_module._check_gencode(("90", "100")) == build_module._gencode(("90", "100"))
+
+
+def test_the_check_fails_on_an_op_binding_that_does_not_compile(tmp_path, monkeypatch):
+    """The op bindings (*.cpp) are checked without code generation, and still checked: a type
+    error in one fails the build, naming the file."""
+    tree = tmp_path / "csrc"
+    (tree / "ops").mkdir(parents=True)
+    (tree / "ops" / "kernel.cu").write_text("__global__ void kernel() {}\n")
+    (tree / "ops" / "binding.cpp").write_text("int binding() { return undeclared_name; }\n")
+    monkeypatch.setattr(build_module, "CSRC", tree)
+    with pytest.raises(RuntimeError, match=r"(?s)-fsyntax-only.*binding\.cpp.*undeclared_name"):
+        build_module.build(("90",), tmp_path / "out", compile_only=True)
+    (tree / "ops" / "binding.cpp").write_text("int binding() { return 0; }\n")
+    assert build_module.build(("90",), tmp_path / "out", compile_only=True).is_file()

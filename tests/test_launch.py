@@ -43,6 +43,14 @@ def test_nproc_override_and_double_dash(dry):
     assert "--nproc_per_node 4" in line and line.endswith("--training.steps 5")
 
 
+def test_log_rank_chooses_the_ranks_torchrun_shows(dry):
+    """Rank 0's output by default; `--log-rank all` every rank's (tests/test_pipeline_logs.py
+    reads what each rank of a PP run prints)."""
+    assert "--local-ranks-filter 0 " in _cmd(dry())
+    assert "--local-ranks-filter 1,3 " in _cmd(dry("--nproc-per-node", "4", "--log-rank", "1,3"))
+    assert "--local-ranks-filter" not in _cmd(dry("--nproc-per-node", "4", "--log-rank", "all"))
+
+
 def test_multi_node_contract(dry):
     line = _cmd(dry("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "10.0.0.1:29500", "--rdzv-id", "42"))
     assert (
