@@ -18,7 +18,7 @@ the tests that need none run; a test that needs a run of its own says why in its
 A session that collects no test using them starts none of them.
 
 - `csrc_build` (a fixture): the CI build of csrc/ (`python -m moe_comm build --compile-only` for
-  sm_90 and sm_100, about 8 CPU-minutes), started in the background at the same moment, at a
+  sm_90 and sm_100, about 2½ CPU-minutes), started in the background at the same moment, at a
   lower priority, so it fills the cores the trainings leave idle; the tests that read it run
   last. A passed build is kept in the build cache under its key (sources, build flags, torch,
   nvcc, NVSHMEM), so the same tree is compiled once per machine.
