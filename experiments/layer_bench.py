@@ -76,6 +76,7 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from moe_comm.predict import documents  # noqa: E402
+from moe_comm.predict.layer_compute import part_ms  # noqa: E402
 
 SCHEMA = "layer_bench/1"
 FLAGSHIP_RECIPE = "recipes/deepseek_v3_671b_b200.toml"
@@ -1202,14 +1203,6 @@ def _f(x, nd=2):
     return "-" if x is None else f"{x:,.{nd}f}"
 
 
-def _step_ms(part: dict, phase: str) -> float:
-    """A part's fwd or bwd ms: its median call, or for a part timed over whole optimizer steps
-    (shape microbatches_per_step > 1) the mean, which carries the step's one-off work; the scale
-    model reads parts by the same rule (moe_comm.predict.layer_compute._ms)."""
-    stat = "mean" if part.get("shape", {}).get("microbatches_per_step", 1) > 1 else "median"
-    return part["ms"][phase][stat]
-
-
 def _ok(doc: dict, case: str, name: str) -> dict | None:
     return next((p for p in doc["parts"] if p["case"] == case and p["name"] == name and p.get("status") == "ok"), None)
 
@@ -1285,7 +1278,7 @@ def fp8_experts_against_bf16(doc: dict) -> list[str]:
                 if label is None:
                     label = (f"FP8 wgrad, weights quantised once per {ours['shape']['microbatches_per_step']} "
                              "microbatches, mean per microbatch")
-                t_bf16, t_ours = (_step_ms(q, "fwd") + _step_ms(q, "bwd") for q in (bf16, ours))
+                t_bf16, t_ours = (part_ms(q, "fwd") + part_ms(q, "bwd") for q in (bf16, ours))
                 ratio = t_ours / t_bf16
                 kinds = ours.get("breakdown", {}).get("kinds_ms", {})
                 verdict = "met" if ratio <= FP8_TARGET else "missed"

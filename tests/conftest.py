@@ -10,7 +10,7 @@ the tests that need none run; a test that needs a run of its own says why in its
   a user runs it from the repository root; the result has `.console` (stdout + stderr without
   colour codes) and `.dump`. `forked_train` runs the same training in ranks forked from
   tests/ranks.py's fork server, without the launcher and torchrun (FORKED_RUNS: the shared runs
-  whose tests read only their losses).
+  whose tests read only what the ranks wrote).
 - `shared_run(name)` (a fixture returning a function): the finished run `name` of SHARED_RUNS,
   waiting for it if it is still training. `default_run` is shared_run("default"), the README's
   main job exactly as a user runs it. Read them, never train into their folders again: copy one

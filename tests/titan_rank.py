@@ -3,7 +3,8 @@ instead of started by torchrun: what `python -m moe_comm.trainer` runs (TorchTit
 main(Trainer)'s steps, with the arguments the launcher gives torchrun's ranks, in the environment
 it gives them), through tests/ranks.py's train_here (why not main() itself: it says).
 
-For the shared runs whose tests read only their losses (tests/test_train_equality.py): a torchrun
+For the shared runs whose tests read only what the ranks wrote (tests/test_train_equality.py's
+losses, tests/test_pipeline_logs.py's rank logs and metrics): a torchrun
 start costs ~25 CPU-seconds on a 2-core machine before the first step (the launcher's imports,
 torchrun's, and each rank's import of TorchTitan), which the fork server pays once per session.
 The launcher itself (its checks, claim, relay and footer) is tested through the runs that still

@@ -166,15 +166,10 @@ def build(archs: tuple[str, ...], out_dir: Path, compile_only: bool = False, ver
         shim.mkdir(parents=True, exist_ok=True)
         (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         host_includes.append(f"-I{build_dir / 'shim'}")
-    host_objects = [build_dir / _object_name(src) for src in host_sources]
     if compile_only:
         # The op bindings are checked without code generation (the check links no library):
         # parsing torch's headers is most of their time, code generation a third more.
         _run_all([[cxx, "-fsyntax-only", "-std=c++20", abi, *host_includes, str(src)] for src in host_sources])
-    else:
-        _run_all([[cxx, "-c", "-O2", "-std=c++20", "-fPIC", abi, *host_includes, str(src), "-o", str(obj)]
-                  for src, obj in zip(host_sources, host_objects)])
-    if compile_only:
         # What a full build's link does implicitly, as its own step: the relocatable objects
         # device-link against libnvshmem_device.
         dlink = build_dir / "dlink.o"
@@ -182,6 +177,9 @@ def build(archs: tuple[str, ...], out_dir: Path, compile_only: bool = False, ver
               "-lnvshmem_device", "-o", str(dlink)])
         return dlink
 
+    host_objects = [build_dir / _object_name(src) for src in host_sources]
+    _run_all([[cxx, "-c", "-O2", "-std=c++20", "-fPIC", abi, *host_includes, str(src), "-o", str(obj)]
+              for src, obj in zip(host_sources, host_objects)])
     library = out_dir / LIBRARY_NAME
     torch_lib = Path(torch.__file__).parent / "lib"
     # nvcc links (and device-links) the relocatable objects itself, with its static cudart.

@@ -195,7 +195,7 @@ class RankCompute:
         return {t: tuple(x / 1e3 for x in v) for t, v in self.terms.items()}
 
 
-def _ms(p: dict, phase: str) -> float:
+def part_ms(p: dict, phase: str) -> float:
     """A part's ms in `phase`: the median call, or for a part timed over whole optimizer steps of
     several microbatches (the FP8 experts with their WeightCache) the mean, which carries each
     step's one quantisation of the weights."""
@@ -399,9 +399,9 @@ def _rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: bo
                     if case_name != name:
                         note(f"attention projections: not measured at case {name!r}: case {case_name!r}'s, scaled by "
                              "work")
-                    fwd, bwd = (_ms(mod, k) - _ms(core, k) for k in ("fwd", "bwd"))
+                    fwd, bwd = (part_ms(mod, k) - part_ms(core, k) for k in ("fwd", "bwd"))
                     return {"name": part, "ms": {"fwd": {"median": fwd}, "bwd": {"median": bwd},
-                                                 "recompute": _ms(mod, "recompute") - _ms(core, "recompute")}}, \
+                                                 "recompute": part_ms(mod, "recompute") - part_ms(core, "recompute")}}, \
                         case_name, None
             return None, name, None
         if part == "experts":
@@ -436,7 +436,7 @@ def _rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: bo
                              "experiments/layer_bench.py run --resume on the GPU")
         at_case = bench.cases[at]
         at_ref = _flavor_case_args(at_case)
-        fwd, bwd, rec = (_ms(p, k) for k in ("fwd", "bwd", "recompute"))
+        fwd, bwd, rec = (part_ms(p, k) for k in ("fwd", "bwd", "recompute"))
         if part in OUTSIDE_BLOCKS or w.ac_mode == "none":
             rec = 0.0
         elif w.ac_mode == "selective":
