@@ -16,9 +16,14 @@ the tests that need none run; a test that needs a run of its own says why in its
   main job exactly as a user runs it. Read them, never train into their folders again: copy one
   first (`shutil.copytree(run.dump, ...)`) to resume or extend it.
 A session that collects no test using them starts none of them.
+- `background` (a module fixture): what the module's own `in_background(shared_run, folder, nice)`
+  returned (`nice`: the niceness its processes take). A test module whose set-up waits on processes (Slurm jobs, long trainings it drives)
+  defines that function; the session starts it at once in a background thread, so its waits
+  overlap the tests that run meanwhile instead of leaving a core idle. Its result may have a
+  `close()`, called at the end of the session.
 
 - `csrc_build` (a fixture): the CI build of csrc/ (`python -m moe_comm build --compile-only` for
-  sm_90 and sm_100, about 2½ CPU-minutes), started in the background at the same moment, at a
+  sm_90 and sm_100, about 40 CPU-seconds), started in the background at the same moment, at a
   lower priority, so it fills the cores the trainings leave idle; the tests that read it run
   last. A passed build is kept in the build cache under its key (sources, build flags, torch,
   nvcc, NVSHMEM), so the same tree is compiled once per machine.
@@ -30,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,9 +50,12 @@ TITAN = ("--model.name", "deepseek_v3_titan")
 # optimizer update in between) keeps each to about a minute.
 BF16 = ("--training.mixed_precision_param", "bfloat16", "--training.seq_len", "128", "--training.steps", "2")
 
-# {name: overrides of `train`}, in the order the suite first reads them (that is the order they
-# start in). Add a run here, or better reuse one, for a new CPU test.
+# {name: overrides of `train`}, in the order they start in. Add a run here, or better reuse one,
+# for a new CPU test.
 SHARED_RUNS = {
+    # 4 steps with a checkpoint every 2: test_train_lifecycle copies it to resume, extend or break
+    # it (first: that module's background work waits for it)
+    "checkpointed": (*NO_WANDB, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4"),
     # the README's main job as a user runs it (5 steps, EP 2, W&B offline): test_console,
     # test_wandb_e2e, test_train_equality
     "default": (),
@@ -59,14 +68,18 @@ SHARED_RUNS = {
     "ours_ep1": (*NO_WANDB, "--parallelism.expert_parallel_degree", "1", "--training.steps", "3"),
     "ours_ep2_bf16": (*NO_WANDB, *BF16),
     "titan_ep2_bf16": (*NO_WANDB, *TITAN, *BF16),
-    # 4 steps with a checkpoint every 2: test_train_lifecycle copies it to resume, extend or break it
-    "checkpointed": (*NO_WANDB, "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "4"),
 }
 # The shared runs whose tests read only what the ranks wrote (losses, metrics, rank logs), with
 # their number of ranks: forked from tests/ranks.py's fork server (tests/titan_rank.py) instead of
 # started by `train` and torchrun, which saves ~10 CPU-seconds of start-up per run and ~7 per rank
 # (the launcher's, torchrun's and each rank's imports); the same trainer with the same arguments.
 FORKED_RUNS = {"titan_ep2": 2, "ours_ep1": 2, "ours_ep2_bf16": 2, "titan_ep2_bf16": 2, "pp2": 4}
+# The background's processes (shared runs, the modules' `in_background` work) run at this nice
+# value: the test thread, whose tests run one at a time, keeps a core to itself, and the
+# background fills what is left (on 2 cores, with everything at one priority, the background's
+# 8-10 processes held the test thread to a fifth of a core, and the session ended with a core idle
+# behind it).
+BACKGROUND_NICE = 10
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -80,8 +93,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def train(dump: Path, *overrides: str, env: dict[str, str] | None = None, timeout: float = 600,
-          recipe: str = RECIPE) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "moe_comm", "train", recipe, "--job.dump_folder", str(dump), *overrides],
+          recipe: str = RECIPE, nice: int = 0) -> subprocess.CompletedProcess:
+    niced = ["nice", "-n", str(nice)] if nice else []
+    proc = subprocess.run([*niced, sys.executable, "-m", "moe_comm", "train", recipe, "--job.dump_folder", str(dump), *overrides],
                           cwd=REPO, env=env or clean_env(WANDB_MODE="offline"), capture_output=True, text=True,
                           timeout=timeout)
     proc.console = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
@@ -89,7 +103,7 @@ def train(dump: Path, *overrides: str, env: dict[str, str] | None = None, timeou
     return proc
 
 
-def forked_train(dump: Path, *overrides: str, world: int = 2) -> SimpleNamespace:
+def forked_train(dump: Path, *overrides: str, world: int = 2, nice: int = 0) -> SimpleNamespace:
     """`train(dump, *overrides)`'s training without the launcher and torchrun: its `world` ranks
     forked from the fork server (tests/titan_rank.py), their output in dump/logs/rank{R}.log. A
     failing rank raises, naming it (tests/ranks.py)."""
@@ -97,29 +111,67 @@ def forked_train(dump: Path, *overrides: str, world: int = 2) -> SimpleNamespace
     from metrics_fakes import free_port
 
     argv = ["--job.config_file", RECIPE, "--job.dump_folder", str(dump), *overrides]
-    ranks.spawn("titan_rank:run_rank", args=(world, free_port(), argv, str(Path(dump) / "logs")), nprocs=world)
+    ranks.spawn("titan_rank:run_rank", args=(world, free_port(), argv, str(Path(dump) / "logs"), nice), nprocs=world)
     return SimpleNamespace(returncode=0, console="", dump=Path(dump))
 
 
 class _SharedRuns:
-    """SHARED_RUNS training in the background, two at a time, into one temporary folder."""
+    """SHARED_RUNS training in the background, two at a time, into one temporary folder, and the
+    collected modules' `in_background` functions beside them."""
 
-    def __init__(self):
+    def __init__(self, runs: bool, modules: list):
         self.folder = Path(tempfile.mkdtemp(prefix="moe_comm-shared-runs-"))
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shared-run")
+        # the modules' functions start at once, each in a thread of its own: they mostly wait
+        # (on Slurm, on a shared run, on their processes' steps)
+        self.module_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="background")
+        self.lock = threading.Lock()
         self.futures: dict[str, Future] = {
-            name: (self.pool.submit(forked_train, self.folder / name, *overrides, world=FORKED_RUNS[name])
-                   if name in FORKED_RUNS else self.pool.submit(train, self.folder / name, *overrides))
-            for name, overrides in SHARED_RUNS.items()
-        }
+            name: self.pool.submit(self._train, name) for name in (SHARED_RUNS if runs else ())}
+        self.modules: dict[str, Future] = {}
+        for module in modules:
+            self.start_module(module)
+
+    def _train(self, name: str):
+        overrides = SHARED_RUNS[name]
+        if name in FORKED_RUNS:
+            return forked_train(self.folder / name, *overrides, world=FORKED_RUNS[name], nice=BACKGROUND_NICE)
+        return train(self.folder / name, *overrides, nice=BACKGROUND_NICE)
+
+    def start_module(self, module) -> Future:
+        with self.lock:
+            if module.__name__ not in self.modules:
+                self.modules[module.__name__] = self.module_pool.submit(
+                    module.in_background, self.get, self.folder / module.__name__, BACKGROUND_NICE)
+            return self.modules[module.__name__]
 
     def get(self, name: str) -> subprocess.CompletedProcess:
-        proc = self.futures[name].result()
+        """The finished shared run `name`; one the session did not start trains here and now (in
+        the caller's thread: a module's background function waiting for a run queued behind it
+        would hold a worker forever)."""
+        with self.lock:
+            future = self.futures.get(name)
+            if future is None:
+                future = self.futures[name] = Future()
+                future.set_running_or_notify_cancel()
+                mine = True
+            else:
+                mine = False
+        if mine:
+            try:
+                future.set_result(self._train(name))
+            except BaseException as e:
+                future.set_exception(e)
+        proc = future.result()
         assert proc.returncode == 0, f"shared run {name!r} failed:\n{proc.console[-6000:]}"
         return proc
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.module_pool.shutdown(wait=True, cancel_futures=True)
+        for future in self.modules.values():
+            if not future.cancelled() and future.exception() is None and hasattr(future.result(), "close"):
+                future.result().close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -173,16 +225,31 @@ _csrc: _CsrcBuild | None = None
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that wait for the background csrc build run last (the build has the whole session)."""
-    waiting = [item for item in items if "csrc_build" in getattr(item, "fixturenames", ())]
-    items[:] = [item for item in items if item not in waiting] + waiting
+    """The order: the modules that read nothing from the background, while it trains; then the
+    modules that read shared runs or their own background work (whole modules, so that module
+    fixtures are set up once); then the tests that wait for the csrc build. So the test thread
+    has work while the background runs and finds it done when it reads it."""
+    def uses(item, fixture: str) -> bool:
+        return fixture in getattr(item, "fixturenames", ())
+
+    readers = {getattr(item, "module", None) for item in items if uses(item, "shared_run") or uses(item, "background")}
+    waiting = [item for item in items if uses(item, "csrc_build")]
+    rest = [item for item in items if item not in waiting]
+    items[:] = ([item for item in rest if getattr(item, "module", None) not in readers]
+                + [item for item in rest if getattr(item, "module", None) in readers] + waiting)
 
 
 def pytest_collection_finish(session):
-    """Start SHARED_RUNS and the csrc build as soon as the tests are known, if any reads them."""
+    """Start SHARED_RUNS, the modules' `in_background` functions and the csrc build as soon as
+    the tests are known, if any reads them."""
     global _shared, _csrc
-    if any("shared_run" in getattr(item, "fixturenames", ()) for item in session.items):
-        _shared = _SharedRuns()
+    if session.config.option.collectonly:
+        return
+    runs = any("shared_run" in getattr(item, "fixturenames", ()) for item in session.items)
+    modules = {item.module.__name__: item.module for item in session.items
+               if "background" in getattr(item, "fixturenames", ())}
+    if runs or modules:
+        _shared = _SharedRuns(runs, [modules[name] for name in sorted(modules)])
     if any("csrc_build" in getattr(item, "fixturenames", ()) for item in session.items):
         _csrc = _CsrcBuild()
 
@@ -207,8 +274,17 @@ def csrc_build() -> Path:
 def shared_run():
     global _shared
     if _shared is None:  # collected without the hook's knowledge (e.g. a plugin filtered late)
-        _shared = _SharedRuns()
+        _shared = _SharedRuns(True, [])
     return _shared.get
+
+
+@pytest.fixture(scope="module")
+def background(request):
+    """What this module's `in_background(shared_run, folder, nice)` returned (see the module docstring)."""
+    global _shared
+    if _shared is None:  # collected without the hook's knowledge
+        _shared = _SharedRuns(False, [])
+    return _shared.start_module(request.module).result()
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ Command line (used by .ci/run):  python tests/slurm_cluster.py install
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
 import shutil
@@ -98,6 +100,14 @@ def _free_port_block(n: int) -> int:
     raise RuntimeError("no block of free TCP ports found for the local Slurm")
 
 
+@contextlib.contextmanager
+def _hosts_lock():
+    """/etc/hosts edits one at a time (clusters of one session start and stop from two threads)."""
+    with open(Path(tempfile.gettempdir()) / "moe-comm-slurm-hosts.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @dataclass
 class LocalSlurm:
     """Start/stop the cluster; `env` is what a client (sbatch, squeue) needs to talk to it."""
@@ -106,6 +116,8 @@ class LocalSlurm:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     added_hosts_lines: list[str] = field(default_factory=list)
+    # the daemons' niceness, which the jobs' processes inherit (slurmd forks slurmstepd)
+    nice: int = 0
 
     @property
     def conf(self) -> Path:
@@ -131,14 +143,18 @@ class LocalSlurm:
         return self
 
     def _add_hosts(self) -> None:
-        """Fake node names resolve to this host; only lines we add are removed in stop()."""
-        text = Path("/etc/hosts").read_text()
-        for node in LIVE_NODES:
-            if not any(line.split()[1:2] == [node] for line in text.splitlines() if line.strip()):
-                self.added_hosts_lines.append(f"127.0.0.1 {node} {HOSTS_MARK}")
-        if self.added_hosts_lines:
-            with open("/etc/hosts", "a") as f:
-                f.write("".join(line + "\n" for line in self.added_hosts_lines))
+        """Fake node names resolve to this host; only lines we add are removed in stop(). Each
+        cluster adds lines of its own (its folder in them), so one that stops while another of
+        the session runs (the Slurm jobs start in the background) leaves the other's names."""
+        with _hosts_lock():
+            text = Path("/etc/hosts").read_text()
+            theirs = [line for line in text.splitlines() if line.strip() and HOSTS_MARK not in line]
+            for node in LIVE_NODES:
+                if not any(line.split()[1:2] == [node] for line in theirs):
+                    self.added_hosts_lines.append(f"127.0.0.1 {node} {HOSTS_MARK} ({self.root})")
+            if self.added_hosts_lines:
+                with open("/etc/hosts", "a") as f:
+                    f.write("".join(line + "\n" for line in self.added_hosts_lines))
 
     def _fake_gpus(self) -> None:
         for i in range(GPUS_PER_NODE):
@@ -184,6 +200,9 @@ class LocalSlurm:
             "MpiDefault=none",
             "ReturnToService=2",
             "MinJobAge=2",
+            # job ids of their own: the job logs (slurm/logs/NAME-ID.out) of an earlier cluster
+            # on this machine are never appended to, nor read as this one's
+            f"FirstJobId={random.Random().randint(1, 9_999) * 1_000}",
             "JobRequeue=1",
             "SchedulerParameters=sched_interval=2,bf_interval=2",  # a requeued job restarts promptly
             "JobAcctGatherType=jobacct_gather/none",
@@ -215,7 +234,8 @@ class LocalSlurm:
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "w")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env or None)
+        niced = ["nice", "-n", str(self.nice)] if self.nice else []
+        self.procs[name] = subprocess.Popen([*niced, *cmd], stdout=log, stderr=subprocess.STDOUT, env=self.env or None)
 
     def _wait(self, ok, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -275,9 +295,10 @@ class LocalSlurm:
                     p.wait(timeout=5)
         self.procs.clear()
         if self.added_hosts_lines:
-            text = Path("/etc/hosts").read_text().splitlines(keepends=True)
-            keep = [line for line in text if line.rstrip("\n") not in self.added_hosts_lines]
-            Path("/etc/hosts").write_text("".join(keep))
+            with _hosts_lock():
+                text = Path("/etc/hosts").read_text().splitlines(keepends=True)
+                keep = [line for line in text if line.rstrip("\n") not in self.added_hosts_lines]
+                Path("/etc/hosts").write_text("".join(keep))
             self.added_hosts_lines.clear()
 
 

@@ -26,17 +26,22 @@ def test_nvshmem_wheel_has_what_the_build_needs():
 def test_kernels_compile_and_device_link_for_sm90_and_sm100(csrc_build):
     """`python -m moe_comm build --compile-only --arch 90 100`, as CI and a cluster image run it
     (conftest starts it at the beginning of the session, in the background)."""
-    dlink = csrc_build / "obj" / "dlink.o"
-    assert dlink.stat().st_size > 0
-    objects = sorted(p.name for p in (csrc_build / "obj").glob("*.o"))
-    # Every kernel of the tree, subfolders included, has its object (the op bindings, *.cpp, are
-    # compiled without code generation: the build fails if one does not compile).
+    obj = csrc_build / "obj"
+    assert (obj / "dlink.o").stat().st_size > 0
+    assert sorted(p.name for p in obj.glob("*.o")) == ["dlink.o", "kernels.o"]
+    # Every kernel and op binding of the tree, subfolders included, is in the check's one
+    # translation unit of its language (the bindings compiled without code generation: the
+    # build fails if one does not compile).
     kernels, bindings = sorted(CSRC.rglob("*.cu")), sorted(CSRC.rglob("*.cpp"))
     assert {"comm", "layout", "internode", "runtime"} <= {p.parent.name for p in kernels}
     assert {"comm", "experts", "ops", "runtime"} <= {p.parent.name for p in bindings}
-    assert objects == sorted([build_module._object_name(p) for p in kernels] + ["dlink.o"])
+    assert _included(obj / "kernels.cu") == kernels and _included(obj / "bindings.cpp") == bindings
     # both targets are real SASS (an ELF cubin each), not PTX left for the driver to compile
-    assert _fatbin_entries(csrc_build / "obj" / "comm__dispatch.o") == [("cubin", 90), ("cubin", 100)]
+    assert _fatbin_entries(obj / "kernels.o") == [("cubin", 90), ("cubin", 100)]
+
+
+def _included(unit: Path) -> list[Path]:
+    return sorted(Path(line.split('"')[1]) for line in unit.read_text().splitlines())
 
 
 FATBIN_MAGIC = 0xBA55ED50
@@ -104,3 +109,16 @@ def test_the_check_fails_on_an_op_binding_that_does_not_compile(tmp_path, monkey
         build_module.build(("90",), tmp_path / "out", compile_only=True)
     (tree / "ops" / "binding.cpp").write_text("int binding() { return 0; }\n")
     assert build_module.build(("90",), tmp_path / "out", compile_only=True).is_file()
+
+
+def test_the_check_names_both_places_of_a_clash_between_files(tmp_path, monkeypatch):
+    """The check compiles each language as one translation unit, so names private to one file
+    must differ across csrc/; a clash fails it, naming both files."""
+    tree = tmp_path / "csrc"
+    (tree / "ops").mkdir(parents=True)
+    (tree / "ops" / "kernel.cu").write_text("__global__ void kernel() {}\n")
+    for name in ("a.cpp", "b.cpp"):
+        (tree / "ops" / name).write_text("namespace { int check(int x) { return x; } }\n")
+    monkeypatch.setattr(build_module, "CSRC", tree)
+    with pytest.raises(RuntimeError, match=r"(?s)ops/b\.cpp.*redefinition.*ops/a\.cpp"):
+        build_module.build(("90",), tmp_path / "out", compile_only=True)

@@ -29,7 +29,7 @@ def test_local_slurm_starts_and_stops_every_daemon_by_pid():
         job = cluster.run("srun", "--nodes=2", "--ntasks-per-node=1", "--partition=live", "hostname").stdout
         assert job.split() == [os.uname().nodename] * 2
         added = list(cluster.added_hosts_lines)
-        assert all(line.endswith(HOSTS_MARK) for line in added)
+        assert added and all(f"{HOSTS_MARK} ({cluster.root})" in line for line in added)
     finally:
         cluster.stop()
     assert not [name for name, pid in pids.items() if _alive(pid)]

@@ -3,7 +3,9 @@ resubmit, each run's identity, resource checks.
 
 One local cluster serves the whole module. Its daemons are stopped by pid at the end, pass or
 fail. The CPU jobs run recipes/debug_cpu.toml (EP=2 over gloo) for 3 steps; two of them (one
-node, requeued; two nodes) are shared by the tests that look at them.
+node, requeued; two nodes) are shared by the tests that look at them. The cluster, those two jobs,
+the finished one's resubmission and the held flagship job are made in the session's background
+(`in_background`, tests/conftest.py): they wait on Slurm and on start-ups more than they compute.
 """
 
 import json
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -31,13 +34,62 @@ STEPS = 3
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE")
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    cluster = LocalSlurm()
+def in_background(shared_run, folder: Path, nice: int) -> SimpleNamespace:
+    """The cluster started, the two CPU jobs submitted together (one waits for its requeue while
+    the other trains) and driven to their end, then the finished one submitted again. Each job's
+    outcome is kept, failure included, for the tests that read it; the cluster stays up for the
+    module (its `close` stops it)."""
+    cluster = LocalSlurm(nice=nice)
     try:
-        yield cluster.start()
-    finally:
+        cluster.start()
+        base = folder / "dumps"
+        base.mkdir(parents=True)
+        jobs = {}
+        for name, flags in (("one_node", ("--checkpoint.interval", "1")),
+                            ("two_nodes", ("--nodes", "2", "--cluster.gpus_per_node", "1"))):
+            proc, job_id, log, dump = submit_cpu(cluster, base, *flags)
+            assert proc.returncode == 0, proc.stderr
+            jobs[name] = job_id, log, dump
+    except BaseException:
         cluster.stop()
+        raise
+    done = SimpleNamespace(slurm=cluster, base=base, close=cluster.stop)
+    done.one_node = _outcome(_requeued_once, cluster, *jobs["one_node"])
+    done.two_nodes = _outcome(finished, cluster, *jobs["two_nodes"])
+    done.again = _outcome(lambda: cpu_job(cluster, base, "--checkpoint.interval", "1"))
+    done.held_flagship = _outcome(_held_flagship, cluster)
+    return done
+
+
+def _outcome(fn, *args):
+    """fn(*args), or the exception it raised (re-raised by `result` in the test that reads it)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - kept for the test that reads it
+        return e
+
+
+def result(outcome):
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def _requeued_once(slurm: LocalSlurm, job_id: str, log: Path, dump: Path) -> tuple[str, Path, Path]:
+    """Requeued after its first checkpoint: the job runs again under the same id and TorchTitan
+    resumes from that checkpoint."""
+    first = dump / "checkpoint" / "step-1" / ".metadata"
+    wait_for("the step-1 checkpoint", first.exists, 300, slurm, log, running_job=job_id)
+    slurm.run("scontrol", "requeue", job_id)
+    return finished(slurm, job_id, log, dump)
+
+
+@pytest.fixture(scope="module")
+def slurm(background):
+    try:
+        yield background.slurm
+    finally:
+        background.slurm.stop()
 
 
 def submit(slurm: LocalSlurm, recipe: Path, *rest: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -73,16 +125,19 @@ def cpu_job(slurm: LocalSlurm, base: Path, *rest: str) -> tuple[str, Path, Path]
 
 
 def wait_for(what: str, ok, timeout: float, slurm: LocalSlurm, log: Path, running_job: str = "") -> None:
-    """Poll ok() until it holds; give up early if running_job has already ended."""
+    """Poll ok() (4 times a second: the requeue must come before the job ends) until it holds;
+    give up early if running_job has already ended (asked of Slurm every 2 s)."""
     deadline = time.monotonic() + timeout
     ended = ""
+    polls = 0
     while time.monotonic() < deadline:
         if ok():
             return
-        if running_job and slurm.job_state(running_job) in ENDED:
+        if running_job and polls % 8 == 7 and slurm.job_state(running_job) in ENDED:
             ended = f"job {running_job} ended ({slurm.job_state(running_job)}) first"
             break
-        time.sleep(1)
+        polls += 1
+        time.sleep(0.25)
     text = log.read_text()[-4000:] if log.exists() else "(no log)"
     why = ended or f"timed out after {timeout}s"
     raise AssertionError(f"{why} waiting for {what}; log {log}:\n{text}\n{slurm.logs_hint()}")
@@ -117,50 +172,30 @@ def wandb_run_ids(dump: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
+def base(background) -> Path:
     """One dump folder for the module's jobs: each run must find its own folder inside it."""
-    return tmp_path_factory.mktemp("dumps")
+    return background.base
 
 
-@pytest.fixture(scope="module")
-def submitted(slurm, base):
-    """The module's two CPU jobs, submitted together so that they run side by side (one waits
-    for its requeue while the other trains): {name: (job id, its log, its dump folder)}."""
-    jobs = {}
-    for name, flags in (("one_node", ("--checkpoint.interval", "1")),
-                        ("two_nodes", ("--nodes", "2", "--cluster.gpus_per_node", "1"))):
-        proc, job_id, log, dump = submit_cpu(slurm, base, *flags)
-        assert proc.returncode == 0, proc.stderr
-        jobs[name] = job_id, log, dump
-    return jobs
-
-
-def finished(slurm: LocalSlurm, job_id: str, log: Path) -> None:
-    """Wait for the job to end; it must have completed."""
+def finished(slurm: LocalSlurm, job_id: str, log: Path, dump: Path) -> tuple[str, Path, Path]:
+    """Wait for the job to end; it must have completed. Returns (job id, its log, its dump folder)."""
     wait_for(f"job {job_id} to finish", lambda: slurm.job_state(job_id) in ENDED, 300, slurm, log)
     state = slurm.job_state(job_id)
     text = log.read_text()[-6000:] if log.exists() else "(no log)"
     assert state in ("COMPLETED", "GONE"), f"job {job_id} ended {state}; log {log}:\n{text}\n{slurm.logs_hint()}"
-
-
-@pytest.fixture(scope="module")
-def one_node_run(slurm, submitted):
-    """EP=2 on gloo through the real template, requeued after its first checkpoint: the job runs
-    again under the same id and TorchTitan resumes from that checkpoint."""
-    job_id, log, dump = submitted["one_node"]
-    first = dump / "checkpoint" / "step-1" / ".metadata"
-    wait_for("the step-1 checkpoint", first.exists, 300, slurm, log, running_job=job_id)
-    slurm.run("scontrol", "requeue", job_id)
-    finished(slurm, job_id, log)
     return job_id, log, dump
 
 
 @pytest.fixture(scope="module")
-def two_node_run(slurm, submitted):
+def one_node_run(background):
+    """EP=2 on gloo through the real template, requeued after its first checkpoint."""
+    return result(background.one_node)
+
+
+@pytest.fixture(scope="module")
+def two_node_run(background):
     """Two fake nodes, one process each: the c10d rendezvous across srun tasks really runs."""
-    job_id, log, dump = submitted["two_nodes"]
-    finished(slurm, job_id, log)
-    return job_id, log, dump
+    return result(background.two_nodes)
 
 
 def test_cpu_recipe_one_node_requeued_resumes_from_checkpoint(one_node_run):
@@ -183,13 +218,13 @@ def test_a_requeued_job_continues_its_wandb_run(one_node_run):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # one row per step
 
 
-def test_a_finished_run_submitted_again_has_nothing_to_do(slurm, base, one_node_run):
+def test_a_finished_run_submitted_again_has_nothing_to_do(background, one_node_run):
     """The second submit of a finished job finds its own folder and its last checkpoint (a full
     one: TorchTitan's default model-only last save made it die loading it), says there is
     nothing to do and ends without starting torchrun (it used to print "Training starts at
     step 4" for a 3-step run and exit). tests/test_train_lifecycle.py resumes such a save."""
     _, _, dump = one_node_run
-    job_id, log, again = cpu_job(slurm, base, "--checkpoint.interval", "1")
+    job_id, log, again = result(background.again)
     assert again == dump, "the same run must find its own folder again"
     text = log.read_text()
     assert f"moe_comm: nothing to do: {dump}/checkpoint/step-{STEPS} is at [training] steps = {STEPS}" in text, text[-4000:]
@@ -220,8 +255,8 @@ def test_runs_of_one_recipe_have_their_own_identity(base, one_node_run, two_node
     assert not set(wandb_run_ids(dump1)) & set(wandb_run_ids(dump2))
 
 
-def test_directives_are_honoured_by_slurm(slurm):
-    """Submit the 671B job held, and read back what Slurm made of its directives."""
+def _held_flagship(slurm: LocalSlurm) -> tuple[str, str]:
+    """Submit the 671B job held; (its job id, what Slurm made of its directives)."""
     # A real submit checks the recipe's files; the DeepSeek-V3 tokenizer and the c4 shards on
     # /data are not in CI, the tiny ones stand in (the held job never runs).
     proc = submit(slurm, RECIPES_B200["671B"], "--cluster.partition", GPU_PARTITION,
@@ -231,9 +266,14 @@ def test_directives_are_honoured_by_slurm(slurm):
     assert proc.returncode == 0, proc.stderr
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     try:
-        info = slurm.run("scontrol", "show", "job", job_id).stdout
+        return job_id, slurm.run("scontrol", "show", "job", job_id).stdout
     finally:
         slurm.run("scancel", job_id, check=False)
+
+
+def test_directives_are_honoured_by_slurm(background):
+    """The 671B job submitted held (`in_background`): what Slurm made of its directives."""
+    job_id, info = result(background.held_flagship)
     name = "deepseek_v3_671b_b200-nvshmem-sm20-microbatch-32x8-ep32-pp8-b32x4096"  # the run's identity (moe_comm.metrics.naming)
     for expected in (f"JobName={name}\n", "NumNodes=32", "NumTasks=32", "NtasksPerN:B:S:C=1:",
                      "TresPerNode=gres:gpu:8", "OverSubscribe=NO", "Requeue=1", f"Partition={GPU_PARTITION}",

@@ -8,6 +8,9 @@ Three training runs serve every test here (each costs a torchrun start, so each 
 - `hung`: that run with its newest checkpoint truncated, so it is skipped (naming the file) for
   step 2. Then one rank stops (SIGSTOP); the launcher names it, and the footer says the run
   failed and where. With no usable checkpoint left, nothing starts.
+All three are made and driven from the session's background queue (`in_background`,
+tests/conftest.py) as soon as conftest's "checkpointed" run is trained: they wait on start-ups,
+steps and a collective's timeout more than they compute. The tests read what they left.
 """
 
 import json
@@ -33,9 +36,9 @@ TRAIN = [sys.executable, "-m", "moe_comm", "train", "recipes/debug_cpu.toml", "-
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "2")
 
 
-def train(dump: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*TRAIN, "--job.dump_folder", str(dump), *overrides], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+def train(dump: Path, *overrides: str, nice: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["nice", "-n", str(nice), *TRAIN, "--job.dump_folder", str(dump), *overrides], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
     proc.console = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
     return proc
 
@@ -77,15 +80,16 @@ def _wait(what: str, ok, timeout: float, console) -> None:
 
 
 class LongRun:
-    """A 1000-step CPU run in `dump`, in the background; every process it made is killed at the end."""
+    """A 1000-step CPU run in `dump`, in the background at niceness `nice`; every process it made
+    is killed at the end."""
 
-    def __init__(self, dump: Path, *overrides: str):
+    def __init__(self, dump: Path, nice: int, *overrides: str):
         self.marker = uuid.uuid4().hex
         self.dump = dump
         self.log = dump.parent / f"{dump.name}.train.log"
         env = dict(os.environ, MOE_TEST_MARKER=self.marker)
         self.out = open(self.log, "w")
-        self.proc = subprocess.Popen([*TRAIN, "--job.dump_folder", str(dump), "--training.steps", "1000", *overrides],
+        self.proc = subprocess.Popen(["nice", "-n", str(nice), *TRAIN, "--job.dump_folder", str(dump), "--training.steps", "1000", *overrides],
                                      cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT)
         self.seen: dict[int, int] = {}
 
@@ -115,45 +119,46 @@ class LongRun:
         self.out.close()
 
 
-def _copy(run: Path, tmp_path_factory, name: str) -> Path:
-    dump = tmp_path_factory.mktemp(name) / "run"
-    shutil.copytree(run, dump)
-    return dump
-
-
-@pytest.fixture(scope="module")
-def finished(shared_run, tmp_path_factory) -> Path:
-    """A copy of conftest's "checkpointed" run (4 steps, a checkpoint every 2)."""
-    return _copy(shared_run("checkpointed").dump, tmp_path_factory, "finished")
-
-
-@pytest.fixture(scope="module")
-def long_runs(finished, tmp_path_factory):
-    """`resumed` and `hung`, started and driven side by side (each leaves a core idle for seconds)."""
-    resumed_dump = _copy(finished, tmp_path_factory, "resumed")
-    hung_dump = _copy(finished, tmp_path_factory, "hung")
+def in_background(shared_run, folder: Path, nice: int) -> SimpleNamespace:
+    """`finished`, `resumed` and `hung`, copies of conftest's "checkpointed" run (4 steps, a
+    checkpoint every 2): the first run again as it is, the other two started and driven side by
+    side (each leaves a core idle for seconds)."""
+    checkpointed = shared_run("checkpointed").dump
+    finished_dump, resumed_dump, hung_dump = (folder / name / "run" for name in ("finished", "resumed", "hung"))
+    for dump in (finished_dump, resumed_dump, hung_dump):
+        shutil.copytree(checkpointed, dump)
+    before = (finished_dump / "metrics.jsonl").read_text()
+    finished = SimpleNamespace(dump=finished_dump, before=before,
+                               again=train(finished_dump, *CKPT, "--training.steps", "4", nice=nice, timeout=120))
     newest = checkpoints.inspect(hung_dump / "checkpoint")[0]
     shard = sorted(newest.path.glob("*.distcp"))[0]
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
-    a = LongRun(resumed_dump, "--checkpoint.enable", "--checkpoint.interval", "500")
+    a = LongRun(resumed_dump, nice, "--checkpoint.enable", "--checkpoint.interval", "500")
     # A resumed run never reaches TorchTitan's step 1, where it switches to train_timeout_seconds:
     # all its collectives keep init_timeout_seconds.
-    b = LongRun(hung_dump, "--checkpoint.enable", "--checkpoint.interval", "500", "--comm.init_timeout_seconds", "20")
+    b = LongRun(hung_dump, nice, "--checkpoint.enable", "--checkpoint.interval", "500", "--comm.init_timeout_seconds", "30")
     try:
-        # driven side by side: the hung run's 20 s collective timeout passes while the other trains
+        # driven side by side: the hung run's collective timeout passes while the other trains
         with ThreadPoolExecutor(max_workers=2) as pool:
-            resumed = pool.submit(_drive_resumed, a)
+            resumed = pool.submit(_drive_resumed, a, nice)
             hung = pool.submit(_drive_hung, b, newest, shard)
-            yield resumed.result(), hung.result()
+            resumed, hung = resumed.result(), hung.result()
     finally:
         a.close()
         b.close()
+    # then with no usable checkpoint left
+    for c in checkpoints.inspect(hung.dump / "checkpoint"):
+        for shard in c.path.glob("*.distcp"):
+            with open(shard, "r+b") as f:
+                f.truncate(10)
+    hung.nothing_usable = train(hung.dump, "--checkpoint.enable", "--training.steps", "20", nice=nice, timeout=120)
+    return SimpleNamespace(finished=finished, resumed=resumed, hung=hung)
 
 
-def _drive_resumed(run: LongRun) -> SimpleNamespace:
+def _drive_resumed(run: LongRun, nice: int) -> SimpleNamespace:
     ranks = run.wait_for_step(6)
-    second = train(run.dump, "--training.steps", "6", timeout=120)
+    second = train(run.dump, "--training.steps", "6", nice=nice, timeout=120)
     claimed = (run.dump / "claim.json").is_file()
     run.proc.send_signal(signal.SIGTERM)
     rc = run.proc.wait(timeout=90)
@@ -178,13 +183,18 @@ def _drive_hung(run: LongRun, newest, shard) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def resumed(long_runs) -> SimpleNamespace:
-    return long_runs[0]
+def finished(background) -> SimpleNamespace:
+    return background.finished
 
 
 @pytest.fixture(scope="module")
-def hung(long_runs) -> SimpleNamespace:
-    return long_runs[1]
+def resumed(background) -> SimpleNamespace:
+    return background.resumed
+
+
+@pytest.fixture(scope="module")
+def hung(background) -> SimpleNamespace:
+    return background.hung
 
 
 def _rows(dump: Path) -> dict[int, dict]:
@@ -195,11 +205,10 @@ def _rows(dump: Path) -> dict[int, dict]:
 
 def test_a_finished_run_run_again_has_nothing_to_do(finished):
     """It used to start torchrun, print "Training starts at step 5" for a 4-step run and end."""
-    before = (finished / "metrics.jsonl").read_text()
-    proc = train(finished, *CKPT, "--training.steps", "4", timeout=120)
+    proc = finished.again
     assert proc.returncode == 0 and "torch.distributed.run" not in proc.console, proc.console[-3000:]
-    assert f"moe_comm: nothing to do: {finished}/checkpoint/step-4 is at [training] steps = 4 already" in proc.console
-    assert (finished / "metrics.jsonl").read_text() == before
+    assert f"moe_comm: nothing to do: {finished.dump}/checkpoint/step-4 is at [training] steps = 4 already" in proc.console
+    assert (finished.dump / "metrics.jsonl").read_text() == finished.before
 
 
 # ---- resumed ----------------------------------------------------------------------------------
@@ -277,11 +286,8 @@ def test_a_failed_run_says_it_failed_and_where(hung):
 
 
 def test_nothing_usable_stops_before_any_rank_starts(hung):
-    for c in checkpoints.inspect(hung.dump / "checkpoint"):
-        for shard in c.path.glob("*.distcp"):
-            with open(shard, "r+b") as f:
-                f.truncate(10)
-    proc = train(hung.dump, "--checkpoint.enable", "--training.steps", "20", timeout=120)
+    """Every checkpoint of the hung run truncated (`in_background`), the run started again."""
+    proc = hung.nothing_usable
     assert proc.returncode == 2 and "torch.distributed.run" not in proc.console
     assert f"no checkpoint in {hung.dump}/checkpoint can resume training" in proc.console
     assert f"remove {hung.dump}/checkpoint" in proc.console

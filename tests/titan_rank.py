@@ -18,9 +18,11 @@ import ranks
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_rank(rank: int, world: int, port: int, argv: list[str], log_dir: str) -> None:
+def run_rank(rank: int, world: int, port: int, argv: list[str], log_dir: str, nice: int = 0) -> None:
     """Rank `rank` of `world`, as torchrun starts `-m moe_comm.trainer ARGV` from the repository
-    root; its stdout and stderr to LOG_DIR/rank{R}.log (not to the test session's output)."""
+    root, at niceness `nice`; its stdout and stderr to LOG_DIR/rank{R}.log (not to the test
+    session's output)."""
+    os.nice(nice)
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     with open(Path(log_dir) / f"rank{rank}.log", "w") as log:
         os.dup2(log.fileno(), 1)

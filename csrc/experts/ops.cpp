@@ -13,7 +13,7 @@
 namespace moe_comm {
 namespace {
 
-void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "moe_comm fp8 experts: ", what); }
+void check_experts(bool ok, const std::string& what) { TORCH_CHECK(ok, "moe_comm fp8 experts: ", what); }
 
 int sm_count(const at::Tensor& t) {
   int count = 0;
@@ -22,16 +22,16 @@ int sm_count(const at::Tensor& t) {
 }
 
 void check_rows(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t max_channels) {
-  check(t.is_cuda() && t.dim() == 2 && t.is_contiguous() && t.scalar_type() == dtype,
+  check_experts(t.is_cuda() && t.dim() == 2 && t.is_contiguous() && t.scalar_type() == dtype,
         std::string(name) + " must be a contiguous CUDA " + c10::toString(dtype) + " [rows, channels]");
-  check(t.size(1) % 16 == 0 && t.size(1) <= max_channels,
+  check_experts(t.size(1) % 16 == 0 && t.size(1) <= max_channels,
         std::string(name) + " has " + std::to_string(t.size(1)) + " channels: a multiple of 16, at most " +
             std::to_string(max_channels));
 }
 
 // offsets: the grouped GEMM's `offs` (int32 cumulative segment ends), on the rows' device.
 int check_offsets(const at::Tensor& offsets, const at::Tensor& rows) {
-  check(offsets.is_cuda() && offsets.dim() == 1 && offsets.numel() >= 1 && offsets.is_contiguous() &&
+  check_experts(offsets.is_cuda() && offsets.dim() == 1 && offsets.numel() >= 1 && offsets.is_contiguous() &&
             offsets.scalar_type() == at::kInt && offsets.get_device() == rows.get_device(),
         "offsets must be a non-empty contiguous int32 CUDA vector on the rows' device");
   return (int)offsets.numel();
@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> quantise_rows_op(const at::Tensor& x, const a
 std::tuple<at::Tensor, at::Tensor> gate_op(const at::Tensor& h13, const at::Tensor& offsets) {
   const c10::cuda::CUDAGuard guard(h13.device());
   check_rows(h13, "h13", at::kBFloat16, 2 * kMaxRowChannels);
-  check(h13.size(1) % 32 == 0, "h13 is [h1 | h3]: its two halves must be multiples of 16 channels");
+  check_experts(h13.size(1) % 32 == 0, "h13 is [h1 | h3]: its two halves must be multiples of 16 channels");
   const int groups = check_offsets(offsets, h13);
   const int64_t inter = h13.size(1) / 2;
   at::Tensor q = at::empty({h13.size(0), inter}, e4m3(h13)), scale = at::empty({h13.size(0)}, f32(h13));
@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_backward_op(cons
   const c10::cuda::CUDAGuard guard(h13.device());
   check_rows(h13, "h13", at::kBFloat16, 2 * kMaxRowChannels);
   check_rows(grad_h, "grad_h", at::kBFloat16, kMaxRowChannels);
-  check(grad_h.size(0) == h13.size(0) && 2 * grad_h.size(1) == h13.size(1), "grad_h must be [rows, inter] for h13 [rows, 2 inter]");
+  check_experts(grad_h.size(0) == h13.size(0) && 2 * grad_h.size(1) == h13.size(1), "grad_h must be [rows, inter] for h13 [rows, 2 inter]");
   const int groups = check_offsets(offsets, h13);
   const int64_t rows = h13.size(0), inter = grad_h.size(1);
   at::Tensor q = at::empty(h13.sizes(), e4m3(h13)), scale = at::empty({rows}, f32(h13));
@@ -83,13 +83,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gate_backward_op(cons
 
 // a [experts, rows_a, cols] and optional b [experts, rows_b, cols], same dtype (fp32 or bf16).
 void check_weights(const at::Tensor& a, const std::optional<at::Tensor>& b) {
-  check(a.is_cuda() && a.dim() == 3 && a.is_contiguous() &&
+  check_experts(a.is_cuda() && a.dim() == 3 && a.is_contiguous() &&
             (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
         "weights must be contiguous CUDA float32 or bfloat16 [experts, rows, cols]");
-  check(a.size(1) % 16 == 0 && a.size(2) % 16 == 0 && a.size(2) <= kMaxRowChannels,
+  check_experts(a.size(1) % 16 == 0 && a.size(2) % 16 == 0 && a.size(2) <= kMaxRowChannels,
         "weights need rows and cols in multiples of 16, cols at most " + std::to_string(kMaxRowChannels));
   if (b.has_value()) {
-    check(b->is_cuda() && b->dim() == 3 && b->is_contiguous() && b->scalar_type() == a.scalar_type() &&
+    check_experts(b->is_cuda() && b->dim() == 3 && b->is_contiguous() && b->scalar_type() == a.scalar_type() &&
               b->size(0) == a.size(0) && b->size(2) == a.size(2) && b->size(1) % 16 == 0 &&
               b->get_device() == a.get_device(),
           "the second weights must match the first in dtype, experts and cols");
@@ -114,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor> weights_transposed_op(const at::Tensor& a, co
   const c10::cuda::CUDAGuard guard(a.device());
   check_weights(a, b);
   const int64_t experts = a.size(0), rows = a.size(1) + (b ? b->size(1) : 0), cols = a.size(2);
-  check(col_amax.is_cuda() && col_amax.scalar_type() == at::kFloat && col_amax.is_contiguous() &&
+  check_experts(col_amax.is_cuda() && col_amax.scalar_type() == at::kFloat && col_amax.is_contiguous() &&
             col_amax.dim() == 2 && col_amax.size(0) == experts && col_amax.size(1) == cols,
         "col_amax must be the float32 [experts, cols] the forward's fp8_weights returned");
   at::Tensor q = at::empty({experts, cols, rows}, e4m3(a)), scale = at::empty({experts, cols}, f32(a));
@@ -128,16 +128,16 @@ std::tuple<at::Tensor, at::Tensor> weights_transposed_op(const at::Tensor& a, co
 std::tuple<at::Tensor, at::Tensor> group_columns_op(const at::Tensor& x, const std::optional<at::Tensor>& row_scale,
                                                     const at::Tensor& offsets, int64_t halves) {
   const c10::cuda::CUDAGuard guard(x.device());
-  check(halves == 1 || halves == 2, "halves must be 1 or 2");
+  check_experts(halves == 1 || halves == 2, "halves must be 1 or 2");
   if (row_scale.has_value()) {
     check_rows(x, "x", at::kFloat8_e4m3fn, INT32_MAX);
-    check(row_scale->is_cuda() && row_scale->scalar_type() == at::kFloat && row_scale->is_contiguous() &&
+    check_experts(row_scale->is_cuda() && row_scale->scalar_type() == at::kFloat && row_scale->is_contiguous() &&
               row_scale->dim() == 1 && row_scale->size(0) == x.size(0),
           "row_scale must be float32 [rows] for e4m3 rows");
   } else {
     check_rows(x, "x", at::kBFloat16, INT32_MAX);
   }
-  check(x.size(1) % (16 * halves) == 0, "each half of x's channels must be a multiple of 16");
+  check_experts(x.size(1) % (16 * halves) == 0, "each half of x's channels must be a multiple of 16");
   const int groups = check_offsets(offsets, x);
   const int64_t rows = x.size(0), channels = x.size(1), row_stride = (rows + 15) / 16 * 16;
   at::Tensor q = at::empty({channels, row_stride}, e4m3(x));
