@@ -16,3 +16,6 @@ stamp "fp8 experts gpu exit $?"; tail -3 $o/fp8_experts_gpu.log
 timeout 360 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_nvshmem_gpu.py > $o/nvshmem_gpu.log 2>&1
 stamp "nvshmem gpu exit $?"; tail -3 $o/nvshmem_gpu.log
 cp $o/*.log $OUT/; stamp packed
+# The nvshmem cases at every layout outran the call's 360 s (nvshmem_gpu.log is cut there); call 2
+# of the session ran them at layouts 1 and 2x2 on the same build (nvshmem_gpu_1_2x2.log):
+#   MOE_COMM_GPU_LAYOUTS=1,2x2 MOE_COMM_GPU_TEST_CONCURRENCY=2 pytest -m gpu tests/test_nvshmem_gpu.py
