@@ -16,11 +16,11 @@ the tests that need none run; a test that needs a run of its own says why in its
   main job exactly as a user runs it. Read them, never train into their folders again: copy one
   first (`shutil.copytree(run.dump, ...)`) to resume or extend it.
 A session that collects no test using them starts none of them.
-- `background` (a module fixture): what the module's own `in_background(shared_run, folder, nice)`
-  returned (`nice`: the niceness its processes take). A test module whose set-up waits on processes (Slurm jobs, long trainings it drives)
-  defines that function; the session starts it at once in a background thread, so its waits
-  overlap the tests that run meanwhile instead of leaving a core idle. Its result may have a
-  `close()`, called at the end of the session.
+- `background` (a module fixture): what the module's own `in_background(shared_run, folder,
+  nice)` returned (`nice`: the niceness its processes take). A test module whose set-up waits on
+  processes (Slurm jobs, long trainings it drives) defines that function; the session starts it at
+  once in a background thread, so its waits overlap the tests that run meanwhile instead of
+  leaving a core idle. Its result may have a `close()`, called at the end of the session.
 
 - `csrc_build` (a fixture): the CI build of csrc/ (`python -m moe_comm build --compile-only` for
   sm_90 and sm_100, about 40 CPU-seconds), started in the background at the same moment, at a
@@ -146,22 +146,12 @@ class _SharedRuns:
             return self.modules[module.__name__]
 
     def get(self, name: str) -> subprocess.CompletedProcess:
-        """The finished shared run `name`; one the session did not start trains here and now (in
-        the caller's thread: a module's background function waiting for a run queued behind it
-        would hold a worker forever)."""
+        """The finished shared run `name`, started now if the session had not started it (its
+        workers only train, so a run queued behind a module's waiting thread never starves)."""
         with self.lock:
-            future = self.futures.get(name)
-            if future is None:
-                future = self.futures[name] = Future()
-                future.set_running_or_notify_cancel()
-                mine = True
-            else:
-                mine = False
-        if mine:
-            try:
-                future.set_result(self._train(name))
-            except BaseException as e:
-                future.set_exception(e)
+            if name not in self.futures:
+                self.futures[name] = self.pool.submit(self._train, name)
+            future = self.futures[name]
         proc = future.result()
         assert proc.returncode == 0, f"shared run {name!r} failed:\n{proc.console[-6000:]}"
         return proc

@@ -36,9 +36,9 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "GONE")
 
 def in_background(shared_run, folder: Path, nice: int) -> SimpleNamespace:
     """The cluster started, the two CPU jobs submitted together (one waits for its requeue while
-    the other trains) and driven to their end, then the finished one submitted again. Each job's
-    outcome is kept, failure included, for the tests that read it; the cluster stays up for the
-    module (its `close` stops it)."""
+    the other trains) and driven to their end, then the finished one submitted again and the
+    671B job submitted held. Each outcome is kept, failure included, for the test that reads it;
+    the cluster stays up for the module (its `close` stops it)."""
     cluster = LocalSlurm(nice=nice)
     try:
         cluster.start()
@@ -133,8 +133,9 @@ def wait_for(what: str, ok, timeout: float, slurm: LocalSlurm, log: Path, runnin
     while time.monotonic() < deadline:
         if ok():
             return
-        if running_job and polls % 8 == 7 and slurm.job_state(running_job) in ENDED:
-            ended = f"job {running_job} ended ({slurm.job_state(running_job)}) first"
+        state = slurm.job_state(running_job) if running_job and polls % 8 == 7 else ""
+        if state in ENDED:
+            ended = f"job {running_job} ended ({state}) first"
             break
         polls += 1
         time.sleep(0.25)

@@ -17,8 +17,8 @@ SASS for every architecture asked (from one front-end pass while no file branche
 __CUDA_ARCH__) and the op bindings without code generation, and device-links the kernels; only
 the final link needs a CUDA torch. It compiles them as one translation unit per language (a file
 that includes every kernel, one that includes every op binding): parsing NVSHMEM's, CCCL's and
-torch's headers is most of each file's compile, so the check costs about 35 CPU-seconds instead of
-about 150 on a 2-core CI machine. What that leaves to the full build, which compiles each file on
+torch's headers is most of each file's compile, so the check costs about 40 CPU-seconds instead of
+about 165 on a 2-core CI machine. What that leaves to the full build, which compiles each file on
 its own: a file that uses what only an earlier file included. Names private to one file
 (anonymous namespaces, static functions) must differ across csrc/: a clash fails the check,
 naming both places.
