@@ -167,7 +167,7 @@ def test_submit_warns_when_the_jobs_folder_is_in_use(tmp_path, capsys, monkeypat
     from moe_comm.__main__ import main
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    folder = tmp_path / "debug_cpu-nccl-1x2-ep2-b2x256-fp32"
+    folder = tmp_path / "debug_cpu-nccl-1x2-ep2-b2x128-fp32"
     folder.mkdir()
     _foreign(folder, "login-1", 2, slurm_job="77", job="slurm 77 step 0 restart 0")
     assert main(["submit", "recipes/debug_cpu.toml", "--dry-run", "--job.dump_folder", str(tmp_path)]) == 0

@@ -146,7 +146,7 @@ def test_its_runs_are_named_by_its_identity_options(dummy):
     assert {k: identity[k] for k in ("backend", "num_sms", "wait_timeout_s")} == {
         "backend": "dummy", "num_sms": 20, "wait_timeout_s": 5.0}
     assert "dispatch_dtype" not in identity
-    assert naming.run_name(identity) == "debug_cpu-dummy-sm20-1x2-ep2-b2x256-fp32"
+    assert naming.run_name(identity) == "debug_cpu-dummy-sm20-1x2-ep2-b2x128-fp32"
 
 
 def test_the_metrics_processor_and_report_ask_its_class(dummy, world_of_one, tmp_path, caplog, monkeypatch):

@@ -83,7 +83,7 @@ def test_bf16_against_fp8_then_report_only(tmp_path, fake_launcher):
 
     cmp = json.loads((out / "fp8_dispatch_training" / "comparison.json").read_text())
     assert cmp["reference"] == "debug_cpu-nvshmem-bf16"
-    assert cmp["data"]["tokens_read"] == 30 * 2 * 257 and cmp["data"]["seed"] == 7
+    assert cmp["data"]["tokens_read"] == 30 * 2 * 129 and cmp["data"]["seed"] == 7
     fp8 = cmp["against_reference"]["debug_cpu-nvshmem-fp8"]
     ref_final = sum(8.0 - 0.01 * s for s in range(11, 31)) / 20  # steps 11..30
     assert fp8["final_loss_ref"] == pytest.approx(ref_final)

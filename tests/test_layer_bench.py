@@ -5,10 +5,14 @@ what was measured. Plus the closed forms the efficiencies rest on."""
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from outcomes import kept, result
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,12 +42,24 @@ NOT_ON_CPU = {"flex": "FlexAttention's backward does not run on CPU", "varlen": 
               "experts.fp8.": "float8 grouped GEMMs need a CUDA GPU"}
 
 
-@pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lb") / "layer_bench.json"
+def in_background(shared_run, folder: Path, nice: int):
+    """The tiny bench, run as its command line runs it, in a process of its own at niceness
+    `nice` and on one thread while other modules' tests run (tests/conftest.py): (its JSON's
+    path, the JSON)."""
+    return kept(_bench, folder / "layer_bench.json", nice)
+
+
+def _bench(out: Path, nice: int) -> tuple[Path, dict]:
     argv = ["run", "--device", "cpu", "--tiny", "--iters", "1", "--warmup", "0", "--budget-s", "1e9", "--out", str(out)]
-    assert lb.main(argv) == 0
+    proc = subprocess.run(["nice", "-n", str(nice), sys.executable, "experiments/layer_bench.py", *argv], cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"layer_bench.py run exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return out, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def bench(background):
+    return result(background)
 
 
 def test_json_names_machine_peaks_and_cases(bench):

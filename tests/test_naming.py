@@ -97,8 +97,8 @@ def test_wandb_login_users_are_online(clean_wandb_env, tmp_path):
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
     naming.set_wandb_env_defaults(config, 1, 2)  # what `wandb login` leaves behind
     assert "WANDB_MODE" not in os.environ
-    assert os.environ["WANDB_RUN_NAME"] == "debug_cpu-nccl-1x2-ep2-b2x256-fp32"
-    assert os.environ["WANDB_RUN_GROUP"] == "debug_cpu-1x2-ep2-b2x256-fp32"
+    assert os.environ["WANDB_RUN_NAME"] == "debug_cpu-nccl-1x2-ep2-b2x128-fp32"
+    assert os.environ["WANDB_RUN_GROUP"] == "debug_cpu-1x2-ep2-b2x128-fp32"
 
 
 def test_a_requeued_job_continues_its_wandb_run(clean_wandb_env):

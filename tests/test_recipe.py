@@ -69,7 +69,7 @@ BAD = [
     ("gpu backend on cpu", ('backend = "nccl"', 'backend = "nvshmem"'), ["[moe_comm] backend", "needs CUDA", "nccl"]),
     ("num_sms out of range", ('backend = "nccl"', 'backend = "nccl"\nnum_sms = 0'), ["[moe_comm] num_sms"]),
     ("capacity factor below 1", ('backend = "nccl"', 'backend = "nccl"\nrecv_capacity_factor = 0.5'), ["[moe_comm] recv_capacity_factor"]),
-    ("max tokens below the batch", ('backend = "nccl"', 'backend = "nccl"\nmax_tokens_per_rank = 100'), ["[moe_comm] max_tokens_per_rank", "512"]),
+    ("max tokens below the batch", ('backend = "nccl"', 'backend = "nccl"\nmax_tokens_per_rank = 100'), ["[moe_comm] max_tokens_per_rank", "256"]),
     ("negative max tokens", ('backend = "nccl"', 'backend = "nccl"\nmax_tokens_per_rank = -1'), ["[moe_comm] max_tokens_per_rank"]),
     ("EP not dividing experts", ("expert_parallel_degree = 2", "expert_parallel_degree = 3"), ["expert_parallel_degree = 3"]),
     ("EP not dividing the world", ("gpus_per_node = 2 ", "gpus_per_node = 3 "), ["expert_parallel_degree = 2", "must divide"]),
@@ -125,8 +125,8 @@ def test_tokenizer_beyond_the_flavors_vocab(tmp_path):
 def test_tp_without_divisible_seq(tmp_path):
     text = _edit("expert_parallel_degree = 2", "expert_parallel_degree = 1")
     text = text.replace("data_parallel_shard_degree = -1\ntensor_parallel_degree = 1", "data_parallel_shard_degree = 1\ntensor_parallel_degree = 2")
-    text = text.replace("seq_len = 256", "seq_len = 255")
-    with pytest.raises(recipe.RecipeError, match=r"\[training\] seq_len = 255"):
+    text = text.replace("seq_len = 128", "seq_len = 127")
+    with pytest.raises(recipe.RecipeError, match=r"\[training\] seq_len = 127"):
         recipe.load(_write(tmp_path, text), device="cpu")
 
 

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ import pytest
 
 from moe_comm.cluster.sbatch import REPO
 from in_process import run_verb
+from outcomes import kept, result
 from slurm_cluster import GPU_PARTITION, LIVE_PARTITION, LocalSlurm
 
 pytestmark = pytest.mark.slurm
@@ -38,42 +40,32 @@ def in_background(shared_run, folder: Path, nice: int) -> SimpleNamespace:
     """The cluster started, the two CPU jobs submitted together (one waits for its requeue while
     the other trains) and driven to their end, then the finished one submitted again and the
     671B job submitted held. Each outcome is kept, failure included, for the test that reads it;
-    the cluster stays up for the module (its `close` stops it)."""
+    the cluster stays up for the module (its `close` stops it).
+
+    The one-node job is watched for its requeue from the moment it is submitted, while the
+    two-node job is being submitted: a `submit` takes seconds of imports, and a job that finished
+    its few steps meanwhile would be requeued after its end."""
     cluster = LocalSlurm(nice=nice)
     try:
         cluster.start()
         base = folder / "dumps"
         base.mkdir(parents=True)
-        jobs = {}
-        for name, flags in (("one_node", ("--checkpoint.interval", "1")),
-                            ("two_nodes", ("--nodes", "2", "--cluster.gpus_per_node", "1"))):
-            proc, job_id, log, dump = submit_cpu(cluster, base, *flags)
+        proc, *one_node = submit_cpu(cluster, base, "--checkpoint.interval", "1")
+        assert proc.returncode == 0, proc.stderr
+        with ThreadPoolExecutor(max_workers=1) as watch:
+            requeued = watch.submit(kept, _requeued_once, cluster, *one_node)
+            proc, *two_nodes = submit_cpu(cluster, base, "--nodes", "2", "--cluster.gpus_per_node", "1")
             assert proc.returncode == 0, proc.stderr
-            jobs[name] = job_id, log, dump
+            one_node_outcome = requeued.result()
     except BaseException:
         cluster.stop()
         raise
     done = SimpleNamespace(slurm=cluster, base=base, close=cluster.stop)
-    done.one_node = _outcome(_requeued_once, cluster, *jobs["one_node"])
-    done.two_nodes = _outcome(finished, cluster, *jobs["two_nodes"])
-    done.again = _outcome(lambda: cpu_job(cluster, base, "--checkpoint.interval", "1"))
-    done.held_flagship = _outcome(_held_flagship, cluster)
+    done.one_node = one_node_outcome
+    done.two_nodes = kept(finished, cluster, *two_nodes)
+    done.again = kept(lambda: cpu_job(cluster, base, "--checkpoint.interval", "1"))
+    done.held_flagship = kept(_held_flagship, cluster)
     return done
-
-
-def _outcome(fn, *args):
-    """fn(*args), or the exception it raised (re-raised by `result` in the test that reads it)."""
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - kept for the test that reads it
-        return e
-
-
-def result(outcome):
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
-
 
 def _requeued_once(slurm: LocalSlurm, job_id: str, log: Path, dump: Path) -> tuple[str, Path, Path]:
     """Requeued after its first checkpoint: the job runs again under the same id and TorchTitan
@@ -247,7 +239,7 @@ def test_runs_of_one_recipe_have_their_own_identity(base, one_node_run, two_node
     names, dump folders, metrics and W&B runs; nothing mixed."""
     (_, log1, dump1), (_, log2, dump2) = one_node_run, two_node_run
     assert dump1.parent == dump2.parent == base and dump1 != dump2
-    assert dump1.name == "debug_cpu-nccl-1x2-ep2-b2x256-fp32" and dump2.name == "debug_cpu-nccl-2x1-ep2-b2x256-fp32"
+    assert dump1.name == "debug_cpu-nccl-1x2-ep2-b2x128-fp32" and dump2.name == "debug_cpu-nccl-2x1-ep2-b2x128-fp32"
     assert log1.name.startswith(dump1.name + "-") and log2.name.startswith(dump2.name + "-")
     for dump, nodes in ((dump1, 1), (dump2, 2)):
         assert json.loads((dump / "identity.json").read_text())["nodes"] == nodes

@@ -67,7 +67,7 @@ def test_cpu_script_directives_first_and_one_task_per_node():
     assert body[0] == "set -euo pipefail", "the first command must come after every directive"
     assert d["--nodes"] == "1" and d["--ntasks-per-node"] == "1"
     assert "--gpus-per-node" not in d, "a CPU recipe must not ask Slurm for GPUs"
-    name = "debug_cpu-nccl-1x2-ep2-b2x256-fp32"  # the run's identity: recipe, backend, nodes, batch
+    name = "debug_cpu-nccl-1x2-ep2-b2x128-fp32"  # the run's identity: recipe, backend, nodes, batch
     assert d["--job-name"] == name
     assert d["--output"] == f"{REPO}/slurm/logs/{name}-%j.out"
     assert "--requeue" in d and d["--open-mode"] == "append"
@@ -169,7 +169,7 @@ def test_cli_in_a_fresh_process():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=debug_cpu-nccl-1x2-ep2-b2x256-fp32\n")
+    assert proc.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=debug_cpu-nccl-1x2-ep2-b2x128-fp32\n")
 
 
 def test_submit_options_after_the_recipe_are_not_overrides():
