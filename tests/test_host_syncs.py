@@ -5,7 +5,6 @@ GPU instruments (CUDA sync calls, the blocking probe) run on the device (`run` w
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from metrics_fakes import free_port
-from outcomes import kept, result
+from outcomes import kept, result, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("host_syncs", REPO / "experiments" / "host_syncs.py")
@@ -90,9 +89,7 @@ def in_background(shared_run, folder: Path, nice: int):
 def _nccl_ep2(out: Path, nice: int) -> dict:
     argv = ["run", "--cases", "nccl_ep2_cpu", "--tokens", "64", "--hidden", "128", "--experts", "16", "--top-k", "4",
             "--iters", "1", "--warmup", "1", "--port", str(free_port()), "--out", str(out)]
-    proc = subprocess.run(["nice", "-n", str(nice), sys.executable, "experiments/host_syncs.py", *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"host_syncs.py run exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_script("experiments/host_syncs.py", *argv, nice=nice)
     return json.loads(out.read_text())
 
 

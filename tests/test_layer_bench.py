@@ -5,14 +5,12 @@ what was measured. Plus the closed forms the efficiencies rest on."""
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from outcomes import kept, result
+from outcomes import kept, result, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,9 +49,7 @@ def in_background(shared_run, folder: Path, nice: int):
 
 def _bench(out: Path, nice: int) -> tuple[Path, dict]:
     argv = ["run", "--device", "cpu", "--tiny", "--iters", "1", "--warmup", "0", "--budget-s", "1e9", "--out", str(out)]
-    proc = subprocess.run(["nice", "-n", str(nice), sys.executable, "experiments/layer_bench.py", *argv], cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"layer_bench.py run exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_script("experiments/layer_bench.py", *argv, nice=nice, env={"OMP_NUM_THREADS": "1"})
     return out, json.loads(out.read_text())
 
 

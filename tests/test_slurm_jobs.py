@@ -67,6 +67,7 @@ def in_background(shared_run, folder: Path, nice: int) -> SimpleNamespace:
     done.held_flagship = kept(_held_flagship, cluster)
     return done
 
+
 def _requeued_once(slurm: LocalSlurm, job_id: str, log: Path, dump: Path) -> tuple[str, Path, Path]:
     """Requeued after its first checkpoint: the job runs again under the same id and TorchTitan
     resumes from that checkpoint."""

@@ -3,8 +3,9 @@
 Three training runs serve every test here (each costs a torchrun start, so each is shared):
 - `finished`: 4 steps, a checkpoint every 2. Run again as it is, it has nothing to do.
 - `resumed`: that run extended to 1000 steps from its last save (step 4), which must be a full
-  checkpoint. Its first step after the resume is timed as one step. While it trains, a second
-  run in the same folder is refused before torchrun. Then SIGTERM stops every rank.
+  checkpoint. Its first step after the resume is timed as one step. While it holds the folder
+  (from its claim, before its first step), a second run in the same folder is refused before
+  torchrun. Then SIGTERM stops every rank.
 - `hung`: that run with its newest checkpoint truncated, so it is skipped (naming the file) for
   step 2. Then one rank stops (SIGSTOP); the launcher names it, and the footer says the run
   failed and where. With no usable checkpoint left, nothing starts.
