@@ -110,6 +110,8 @@ def _memory_line(mem: estimate.MemoryEstimate, r: recipe.Recipe) -> str:
     graphs = f" + the MoE calls' CUDA graph pools {mem.call_graphs / G:.1f}" if mem.call_graphs else ""
     if mem.fp8_weights:
         graphs += f" + the FP8 experts' e4m3 weights kept over the step {mem.fp8_weights / G:.1f}"
+    elif mem.fp8_forward_weights and mem.peak_at == "end of forward":
+        graphs += f" + the FP8 experts' e4m3 weights saved for the backward {mem.fp8_forward_weights / G:.1f}"
     return (f"memory/GPU  {mem.total / G:.1f} GiB in use at its peak ({where}): "
             f"params + AdamW {mem.params_and_optimizer / G:.1f} (12 B/param sharded) + {held}{ends}{graphs}"
             f"; reserved by the allocator ~{mem.reserved / G:.1f}; {_verdict(mem.total / G, r)}")

@@ -14,18 +14,23 @@ experiments/fp8_grouped_gemm_probe.py measures the GEMMs). So nothing here is qu
   group carrying the row's scale) and kept so to the GEMM, or by the receiver's layout kernel
   with dispatch_dtype = "bf16". No dequantise-requantise.
 - weights: one scale per output channel per expert, quantised from the parameters (the bf16
-  weights FSDP gathers, fp32 at world 1) by a kernel of ours that also records each column's
-  amax for the transposed copy dgrad needs. Where the experts' forward runs more than once per
-  optimizer step (several microbatches, or an activation-checkpointing recompute), both copies
-  are kept in a `WeightCache` until the weights change, so each is made once per step; see it.
+  weights FSDP gathers, fp32 at world 1) by a kernel of ours that reads each once. dgrad needs
+  them K-major along the other dimension: it takes the same e4m3 codes transposed byte for byte,
+  and the forward's row scales move onto its left operand (dY and dh13 are multiplied channel by
+  channel by them before their rowwise quantisation, in the kernels that quantise them): dX =
+  dY W = (dY diag(s)) Wq, exact before rounding. So the parameters are read once per copy-making,
+  not twice, and no column statistics are taken. Where the experts' forward runs more than once
+  per optimizer step (several microbatches, or an activation-checkpointing recompute), both
+  copies are kept in a `WeightCache` until the weights change, so each is made once per step;
+  see it. Otherwise the forward's copies are saved for the backward (1 byte per weight).
 - between the GEMMs: one fused kernel computes silu(h1) * h3 and quantises it; in the backward
   one fused kernel computes the gate's gradient and quantises it.
 
 The GEMMs (R rows, D hidden, I inter; W13 = [W1 | W3] makes the first one GEMM):
   forward  h13 = x W13^T      x per row, W13 per output channel         [R, 2I]
            y   = h W2^T       h = silu(h1) h3 per row, W2 per output ch  [R, D]
-  dgrad    dh  = dy W2        dy per row, W2^T per column of W2          [R, I]
-           dx  = dh13 W13     dh13 per row, W13^T per column of W13      [R, D]
+  dgrad    dh  = dy W2        dy x W2's row scales, per row; W2's codes^T   [R, I]
+           dx  = dh13 W13     dh13 x W13's row scales, per row; W13's codes^T [R, D]
   wgrad    dW2 = dy^T h,  dW1 | dW3 = dh13^T x, per expert: both operands per (expert, channel)
            over the expert's rows, transposed (FP8 tensor cores take both operands K-major).
 
@@ -33,11 +38,13 @@ Which gradients are FP8, and why: every GEMM of the backward is. dgrad because i
 rowwise like the forward's (dy and dh13 are quantised once each, by fused kernels). wgrad because
 it is a third of the experts' FLOPs: in bf16 it costs about as much as the whole FP8 forward, and
 FP8 experts at three quarters of bf16's time (the layer benchmark's target) are out of reach
-without it. Its price is a second quantisation of x, dy, h and dh13 along the tokens (one kernel
-each, two passes over the rows; the benchmark times it apart) and coarser scales (one per channel
-over all of an expert's rows), the recipe torchao's float8 grouped GEMMs use too. `wgrad_fp8=False`
-(bf16 weight gradients from the dequantised rows) stays for the layer benchmark's comparison of
-the two. Every gradient leaves in bf16: the routing and combine around the experts stay bf16.
+without it. Its price is a second quantisation of dy, h and dh13 along the tokens (one pass over
+the rows each: the kernels that write them take each (expert, channel)'s amax on the way) and
+coarser scales (one per channel over all of an expert's rows), the recipe torchao's float8 grouped
+GEMMs use too. x needs no second quantisation: dW1 = dh1^T diag(s_x) x_q, so x's row scales go
+into dh13's bf16 copy (the gate's backward writes it so) and x's codes are transposed as they are.
+`wgrad_fp8=False` (bf16 weight gradients from the same operands: x's codes, dh13 with x's scales)
+stays for the layer benchmark's comparison of the two. Every gradient leaves in bf16: the routing and combine around the experts stay bf16.
 
 Rows are expert-major and padded as dispatch lays them out: expert e's rows end at
 cumsum(tokens_per_expert)[e], each segment a multiple of ROW_ALIGN (the FP8 GEMMs' 16-byte
@@ -137,12 +144,16 @@ def caches_weights(forwards_per_step: int, ac_mode: str) -> bool:
     return forwards_per_step > 1 or ac_mode != "none"
 
 
+def forward_weight_bytes(local_experts: int, dim: int, inter: int) -> int:
+    """The forward's e4m3 W1|W3 and W2 of one MoE layer with their fp32 row scales: what a run that
+    does not cache keeps from each MoE layer's forward to its backward (dgrad transposes them)."""
+    return 3 * local_experts * dim * inter + 4 * local_experts * (2 * inter + dim)
+
+
 def cached_weight_bytes(local_experts: int, dim: int, inter: int) -> int:
-    """What a WeightCache holds for one MoE layer: the forward's e4m3 W1|W3 and W2 with their
-    row scales and column amax, and dgrad's transposed copies with their column scales."""
-    params = 3 * local_experts * dim * inter
-    scales = 4 * local_experts * (2 * inter + dim)  # one fp32 per output channel of each copy
-    return 2 * params + 2 * scales + 4 * local_experts * (dim + inter)  # + the column amax
+    """What a WeightCache holds for one MoE layer: the forward's copies (`forward_weight_bytes`)
+    and dgrad's transposed codes (as many bytes, no scales of their own)."""
+    return forward_weight_bytes(local_experts, dim, inter) + 3 * local_experts * dim * inter
 
 
 _optimizer_steps = 0  # optimizer steps this process has taken, once a WeightCache exists
@@ -210,7 +221,7 @@ class WeightCache:
                                             tuple(w.shape), w.stride(), w.dtype) for w in weights)
 
     def forward(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple:
-        """((W1|W3 e4m3, row scales, column amax), (W2 e4m3, row scales, column amax))."""
+        """((W1|W3 e4m3, row scales), (W2 e4m3, row scales))."""
         key = self._key_of((w1, w2, w3))
         if key != self._key or self._forward is None:
             self._key, self._forward, self._transposed = None, None, {}  # the stale copies go first
@@ -220,11 +231,15 @@ class WeightCache:
             self.made["forward"] += 1
         return self._forward
 
-    def transposed(self, name: str, a: torch.Tensor, b: torch.Tensor | None, col_amax: torch.Tensor) -> tuple:
-        """dgrad's transposed copy `name` ("w2" or "w13") of weights the last `forward` saw."""
+    def transposed(self, name: str, q: torch.Tensor) -> torch.Tensor:
+        """dgrad's transposed codes `name` ("w2" or "w13") of the forward copy q. Kept only where q
+        is a copy this cache holds now: a backward whose forward saw weights since replaced
+        (never in TorchTitan's order) gets its own, uncached."""
+        if self._forward is None or not any(q is copy for copy, _ in self._forward):
+            return fp8.weights_transposed(q)
         if name not in self._transposed:
-            with self._in_pool(a):
-                self._transposed[name] = fp8.weights_transposed(a, b, col_amax)
+            with self._in_pool(q):
+                self._transposed[name] = fp8.weights_transposed(q)
             self.made["transposed"] += 1
         return self._transposed[name]
 
@@ -253,10 +268,10 @@ class _Fp8Experts(torch.autograd.Function):
         with torch.autocast(x_q.device.type, enabled=False):
             _mark(marks, "start")
             if cache is not None:
-                (w13_q, w13_scale, w13_col_amax), (w2_q, w2_scale, w2_col_amax) = cache.forward(w1, w2, w3)
+                (w13_q, w13_scale), (w2_q, w2_scale) = cache.forward(w1, w2, w3)
             else:
-                w13_q, w13_scale, w13_col_amax = fp8.weights(w1, w3)
-                w2_q, w2_scale, w2_col_amax = fp8.weights(w2)
+                w13_q, w13_scale = fp8.weights(w1, w3)
+                w2_q, w2_scale = fp8.weights(w2)
             _mark(marks, "weights")
             h13 = fp8.scaled_grouped_mm(x_q, w13_q.transpose(-2, -1), x_scale, w13_scale, offsets)
             _mark(marks, "gemm_13")
@@ -264,51 +279,57 @@ class _Fp8Experts(torch.autograd.Function):
             _mark(marks, "gate")
             y = fp8.scaled_grouped_mm(h_q, w2_q.transpose(-2, -1), h_scale, w2_scale, offsets)
             _mark(marks, "gemm_2")
-        ctx.save_for_backward(x_q, x_scale, offsets, h13, w1, w2, w3, w13_col_amax, w2_col_amax)
-        ctx.wgrad_fp8, ctx.cache, ctx.marks = wgrad_fp8, cache, marks
+        ctx.save_for_backward(x_q, x_scale, offsets, h13, w13_q, w13_scale, w2_q, w2_scale)
+        ctx.wgrad_fp8, ctx.cache, ctx.marks, ctx.inter = wgrad_fp8, cache, marks, w1.shape[1]
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_q, x_scale, offsets, h13, w1, w2, w3, w13_col_amax, w2_col_amax = ctx.saved_tensors
-        marks, inter = ctx.marks, w1.shape[1]
+        x_q, x_scale, offsets, h13, w13_q, w13_scale, w2_q, w2_scale = ctx.saved_tensors
+        marks, inter = ctx.marks, ctx.inter
 
-        def transposed(name, a, b, col_amax):
-            # the cache's copies are of the weights its last forward saw; saved_tensors raised
-            # above if these changed since this forward, and the next step's forward comes after
+        def transposed(name, q):
+            # the cache's copies are of the forward copy its last forward returned, which is q:
+            # the next step's forward comes after this backward
             if ctx.cache is not None:
-                return ctx.cache.transposed(name, a, b, col_amax)
-            return fp8.weights_transposed(a, b, col_amax)
+                return ctx.cache.transposed(name, q)
+            return fp8.weights_transposed(q)
+
+        def ones(experts, channels):  # the transposed codes' scales: the forward's moved to the left operand
+            return torch.ones(experts, channels, dtype=torch.float32, device=w2_q.device)
 
         dy = grad_y.to(torch.bfloat16).contiguous()
         with torch.autocast(dy.device.type, enabled=False):  # as in forward
             _mark(marks, "start")
-            dy_q, dy_scale = fp8.quantise_rows(dy, offsets)
+            dy_q, dy_scale, dy_amax = fp8.quantise_grad_rows(dy, offsets, w2_scale)  # dy diag(W2's row scales)
             _mark(marks, "quantise_dy")
-            w2t_q, w2t_scale = transposed("w2", w2, None, w2_col_amax)  # [L, I, D]
+            w2t_q = transposed("w2", w2_q)  # [L, I, D]
             _mark(marks, "weights_t_2")
-            dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, w2t_scale, offsets)
+            dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, ones(*w2t_q.shape[:2]), offsets)
             del dy_q, dy_scale, w2t_q
             _mark(marks, "dgrad_h")
-            dh13_q, dh13_scale, dh13, h = fp8.gate_backward(h13, dh, offsets)
+            # dh13 for dgrad times W13's row scales; for wgrad (bf16) times x's row scales
+            dh13_q, dh13_scale, dh13, h, h_dh13_amax = fp8.gate_backward(h13, dh, offsets, w13_scale, x_scale)
             del dh
             _mark(marks, "gate_backward")
-            w13t_q, w13t_scale = transposed("w13", w1, w3, w13_col_amax)  # [L, D, 2I]
+            w13t_q = transposed("w13", w13_q)  # [L, D, 2I]
             _mark(marks, "weights_t_13")
-            dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, w13t_scale, offsets)
+            dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, ones(*w13t_q.shape[:2]),
+                                       offsets)
             del dh13_q, dh13_scale, w13t_q
             _mark(marks, "dgrad_x")
             if ctx.wgrad_fp8:
-                dy_t, dy_t_scale = fp8.group_columns(dy, None, offsets)  # [D, R']
-                h_t, h_t_scale = fp8.group_columns(h, None, offsets)  # [I, R']
-                dh13_t, dh13_t_scale = fp8.group_columns(dh13, None, offsets, 2)  # [2I, R']
-                x_t, x_t_scale = fp8.group_columns(x_q, x_scale, offsets)  # [D, R']
+                dy_t, dy_t_scale = fp8.group_columns(dy, dy_amax, offsets)  # [D, R']
+                h_t, h_t_scale = fp8.group_columns(h, h_dh13_amax[:, :inter], offsets)  # [I, R']
+                dh13_t, dh13_t_scale = fp8.group_columns(dh13, h_dh13_amax[:, inter:], offsets, 2)  # [2I, R']
+                x_t = fp8.transpose_rows(x_q, offsets)  # [D, R'], x's codes: its row scales are in dh13
+                x_t_scale = torch.ones(x_t.shape[0] * len(offsets), dtype=torch.float32, device=x_t.device)
                 _mark(marks, "wgrad_operands")
                 dw2 = fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets)
-                dw1 = fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale[0], offsets)
-                dw3 = fp8.scaled_grouped_mm(dh13_t[inter:], x_t.t(), dh13_t_scale[1], x_t_scale[0], offsets)
+                dw1 = fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale, offsets)
+                dw3 = fp8.scaled_grouped_mm(dh13_t[inter:], x_t.t(), dh13_t_scale[1], x_t_scale, offsets)
             else:
-                x = (x_q.float() * x_scale[:, None]).to(torch.bfloat16)
+                x = x_q.to(torch.bfloat16)  # the codes, exactly: x's row scales are in dh13
                 _mark(marks, "wgrad_operands")
                 dw2 = fp8.grouped_mm(dy.t(), h, offsets)
                 dw1 = fp8.grouped_mm(dh13[:, :inter].t(), x, offsets)

@@ -274,9 +274,9 @@ def test_a_run_caches_the_weights_only_where_its_experts_run_twice_per_step():
     assert not fp8_experts.caches_weights(1, "none")  # the one-GPU recipe: nothing to reuse
     assert fp8_experts.caches_weights(2, "none")  # pipeline microbatches or gradient accumulation
     assert fp8_experts.caches_weights(1, "full") and fp8_experts.caches_weights(1, "selective")  # the recompute
-    # forward + transposed copies, e4m3, with their fp32 scales and column amax: 2 B/param and a little
-    assert fp8_experts.cached_weight_bytes(8, 7168, 2048) == 2 * 3 * 8 * 7168 * 2048 + 8 * 8 * (2 * 2048 + 7168) \
-        + 4 * 8 * (7168 + 2048)
+    # the forward's e4m3 copies with one fp32 scale per row; dgrad's transposed codes, no scales
+    assert fp8_experts.forward_weight_bytes(8, 7168, 2048) == 3 * 8 * 7168 * 2048 + 4 * 8 * (2 * 2048 + 7168)
+    assert fp8_experts.cached_weight_bytes(8, 7168, 2048) == 2 * 3 * 8 * 7168 * 2048 + 4 * 8 * (2 * 2048 + 7168)
 
 
 def test_forwards_per_step_counts_microbatches_and_accumulation():

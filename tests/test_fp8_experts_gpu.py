@@ -98,22 +98,26 @@ def test_rows_and_weights_quantise_bit_for_bit():
     x[5] = 0
     x[7] *= 1e-9
     offsets = offsets_of(counts)
-    q, scale = fp8.quantise_rows(x, offsets)
-    want_q, want_scale = ref.quantise_rows(x[:total])
-    assert_same_codes(q[:total], scale[:total], want_q, want_scale, "rows")
+    # dgrad's rows: each times its expert's weight row scales first (an expert with no rows
+    # between), or as they are; and the rows' (expert, channel) amax
+    channel_scale = torch.rand(len(counts), HIDDEN, device=DEVICE) * 1e-3 + 1e-5
+    for cs, what in ((None, "rows"), (channel_scale, "rows with the weights' scales folded in")):
+        q, scale, col_amax = fp8.quantise_grad_rows(x, offsets, cs)
+        want_q, want_scale, want_amax = ref.quantise_grad_rows(x[:total], offsets, cs)
+        assert_same_codes(q[:total], scale[:total], want_q, want_scale, what)
+        assert torch.equal(col_amax, want_amax), what
 
     for dtype in (torch.bfloat16, torch.float32):
         w1, w3 = bf16(4, INTER, HIDDEN, scale=0.02, seed=2).to(dtype), bf16(4, INTER, HIDDEN, scale=0.02, seed=3).to(dtype)
         w2 = bf16(4, HIDDEN, INTER, scale=0.02, seed=4).to(dtype)
-        # and a block's rows cut short (96 rows, the stack's seam at 80 inside a block), a row
-        # that is not a whole number of warp passes (400 channels)
+        # and a tile cut short (96 rows, the stack's seam at 80 inside a tile), a row that is not a
+        # whole number of passes (400 channels)
         odd_a, odd_b = bf16(3, 80, 400, seed=7).to(dtype), bf16(3, 16, 400, scale=3.0, seed=8).to(dtype)
         for a, b in ((w1, w3), (w2, None), (odd_a, odd_b)):
             got, want = fp8.weights(a, b), ref.weights(a, b)
             assert_same_codes(got[0], got[1], want[0], want[1], f"weights {dtype}")
-            assert torch.equal(got[2], want[2]), dtype
-            got_t, want_t = fp8.weights_transposed(a, b, got[2]), ref.weights_transposed(a, b, want[2])
-            assert_same_codes(got_t[0], got_t[1], want_t[0], want_t[1], f"weights transposed {dtype}")
+            got_t = fp8.weights_transposed(got[0])
+            assert torch.equal(codes(got_t), codes(ref.weights_transposed(want[0]))), f"weights transposed {dtype}"
 
 
 def test_group_columns_bit_for_bit():
@@ -121,15 +125,20 @@ def test_group_columns_bit_for_bit():
     total = sum(counts)
     offsets = offsets_of(counts)
     x = bf16(total + 40, 2 * INTER, scale=1e-4, seed=5)
+    col_amax = ref.column_amax(x[:total], offsets)
     for halves in (1, 2):
-        q, scale = fp8.group_columns(x, None, offsets, halves)
-        want_q, want_scale = ref.group_columns(x[:total], None, offsets, halves)
+        q, scale = fp8.group_columns(x, col_amax, offsets, halves)
+        want_q, want_scale = ref.group_columns(x[:total], col_amax, offsets, halves)
         assert q.shape[1] % 16 == 0 and q.shape[1] >= x.shape[0]
         assert_same_codes(q[:, :total], scale, want_q[:, :total], want_scale, f"group columns, halves {halves}")
-    xq, xs = ref.quantise_rows(bf16(total, HIDDEN, seed=6), ref.MIN_AMAX_ROWS)
-    q, scale = fp8.group_columns(xq, xs, offsets, 1)
-    want_q, want_scale = ref.group_columns(xq, xs, offsets, 1)
-    assert_same_codes(q[:, :total], scale, want_q[:, :total], want_scale, "group columns of FP8 rows")
+    # the amax as a view of a wider [experts, 3 inter] (the gate's backward hands it so)
+    wide = torch.cat([torch.rand(len(counts), INTER, device=DEVICE), col_amax], dim=1)
+    q, scale = fp8.group_columns(x, wide[:, INTER:], offsets, 2)
+    want_q, want_scale = ref.group_columns(x[:total], col_amax, offsets, 2)
+    assert_same_codes(q[:, :total], scale, want_q[:, :total], want_scale, "group columns, amax a view")
+    xq, _ = ref.quantise_rows(bf16(total + 40, HIDDEN, seed=6), ref.MIN_AMAX_ROWS)
+    got, want = fp8.transpose_rows(xq, offsets), ref.transpose_rows(xq, offsets)
+    assert got.shape == want.shape and torch.equal(codes(got[:, :total]), codes(want[:, :total])), "rows transposed"
 
 
 def test_gate_and_its_backward_to_rounding():
@@ -147,10 +156,16 @@ def test_gate_and_its_backward_to_rounding():
         assert torch.allclose(got, want, rtol=2 ** -3, atol=want_s.max().item() * 2 ** -9)
 
     close_codes(*fp8.gate(h13, offsets), *ref.gate(h13))
-    got, want = fp8.gate_backward(h13, dh, offsets), ref.gate_backward(h13, dh)
-    close_codes(got[0], got[1], want[0], want[1])
-    for g, w in zip(got[2:], want[2:]):
-        assert torch.allclose(g.float(), w.float(), rtol=1e-2, atol=w.float().abs().max().item() * 1e-3)
+    channel_scale = torch.rand(len(counts), 2 * INTER, device=DEVICE) * 1e-2 + 1e-4
+    row_scale = torch.rand(total, device=DEVICE) * 1e-2
+    # dgrad's folded weight scales and the input rows' scales, or neither
+    for cs, rs in ((None, None), (channel_scale, row_scale)):
+        got, want = fp8.gate_backward(h13, dh, offsets, cs, rs), ref.gate_backward(h13, dh, offsets, cs, rs)
+        close_codes(got[0], got[1], want[0], want[1])
+        for g, w in zip(got[2:], want[2:]):  # dh13 and h in bf16, their columns' amax
+            assert torch.allclose(g.float(), w.float(), rtol=1e-2, atol=w.float().abs().max().item() * 1e-3)
+        # the amax is exactly that of the bf16 rows the kernel wrote
+        assert torch.equal(got[4], ref.column_amax(torch.cat([got[3], got[2]], dim=1), offsets))
 
 
 def test_scaled_grouped_mm_takes_our_layouts():
@@ -247,12 +262,13 @@ def test_flagship_shape_against_the_emulation(routing, monkeypatch):
     counts = COUNTS[routing]
     x, dy, w, counts_L, real = flagship_case(counts)
     got = fp8_run(x, dy, w, counts_L)
-    monkeypatch.setattr(fp8, "quantise_rows", lambda t, offsets: ref.quantise_rows(t))
+    monkeypatch.setattr(fp8, "quantise_grad_rows", ref.quantise_grad_rows)
     monkeypatch.setattr(fp8, "gate", lambda h13, offsets: ref.gate(h13))
-    monkeypatch.setattr(fp8, "gate_backward", lambda h13, dh, offsets: ref.gate_backward(h13, dh))
+    monkeypatch.setattr(fp8, "gate_backward", ref.gate_backward)
     monkeypatch.setattr(fp8, "weights", ref.weights)
     monkeypatch.setattr(fp8, "weights_transposed", ref.weights_transposed)
     monkeypatch.setattr(fp8, "group_columns", ref.group_columns)
+    monkeypatch.setattr(fp8, "transpose_rows", ref.transpose_rows)
     monkeypatch.setattr(fp8, "scaled_grouped_mm", ref.scaled_grouped_mm)
     want = fp8_run(x, dy, w, counts_L)
     err = errors(got, want, real, counts)

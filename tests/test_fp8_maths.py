@@ -1,7 +1,7 @@
 """The FP8 maths of csrc/ (moe_comm/kernels/fp8_reference.py, which the GPU cases hold the
 kernels to bit for bit) against references written here from the definitions, in numpy with
 e4m3 rounding from a table of its 255 finite values: scales per row, per 128-channel group, per
-weight row and column, per (expert, channel) over the expert's rows; the layouts the scaled
+weight row, per (expert, channel) over the expert's rows; dgrad's folded weight scales; the layouts the scaled
 grouped GEMM takes; and the GEMM emulation against torch's own bf16 grouped GEMM."""
 
 import numpy as np
@@ -103,33 +103,67 @@ def test_gate_forward_and_backward():
     leaf = h13.double().requires_grad_(True)
     a, b = leaf.chunk(2, dim=1)
     (a * torch.sigmoid(a) * b).backward(dh.double())
-    q, scale, grad_h13, h_bf16 = ref.gate_backward(h13, dh)
+    q, scale, grad_h13, h_bf16, _ = ref.gate_backward(h13, dh, torch.tensor([h13.shape[0]], dtype=torch.int32))
     assert torch.allclose(grad_h13.double(), leaf.grad, rtol=1e-2, atol=1e-3)
     assert torch.allclose(h_bf16.double(), h, rtol=1e-2, atol=1e-3)
     assert torch.allclose(q.double() * scale.double()[:, None], leaf.grad, rtol=2 ** -3,
                           atol=scale.max().item() * 2 ** -9)
 
 
-def test_weights_both_orientations():
+def test_weights_and_dgrads_transposed_codes():
     a = bf16((3, 32, 48), 6, scale=0.02)  # [experts, rows, cols], e.g. W1
     b = bf16((3, 16, 48), 7, scale=0.02)  # stacked after a (W3)
-    q, scale, col_amax = ref.weights(a, b)
+    q, scale = ref.weights(a, b)
     w = np.concatenate([a.float().numpy(), b.float().numpy()], axis=1)
     want_scale = scale_of(np.abs(w).max(axis=2), ref.MIN_AMAX_SMALL)
     assert q.shape == (3, 48, 48) and np.array_equal(scale.numpy(), want_scale)
     assert np.array_equal(q.double().numpy(), quantised(w, want_scale[:, :, None]))
-    assert np.array_equal(col_amax.numpy(), np.abs(w).max(axis=1))
 
-    qt, scale_t = ref.weights_transposed(a, b, col_amax)
-    want_t = scale_of(np.abs(w).max(axis=1), ref.MIN_AMAX_SMALL)  # [experts, cols]
-    assert qt.shape == (3, 48, 48) and qt.is_contiguous() and np.array_equal(scale_t.numpy(), want_t)
-    for e in range(3):
-        for k in range(48):  # qt[e, k, n] is W[e, n, k] scaled by column k's scale
-            assert np.array_equal(qt[e, k].double().numpy(), quantised(w[e, :, k], want_t[e, k]))
+    qt = ref.weights_transposed(q)  # dgrad's right operand: the same codes, K-major the other way
+    assert qt.shape == (3, 48, 48) and qt.is_contiguous()
+    assert np.array_equal(qt.view(torch.uint8).numpy(), q.view(torch.uint8).numpy().transpose(0, 2, 1))
     # fp32 parameters (world 1) holding the same values quantise the same
-    q32, s32, c32 = ref.weights(a.float(), b.float())
+    q32, s32 = ref.weights(a.float(), b.float())
     assert torch.equal(q32.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s32, scale)
-    assert torch.equal(c32, col_amax)
+
+
+def test_dgrad_folds_the_weights_row_scales_into_its_rows():
+    """dX = dY W with W = diag(s) Wq: dgrad quantises dY diag(s) rowwise (each row times its
+    expert's s, in fp32, then one scale per row) against the transposed codes Wq^T; the same read
+    takes dY's (expert, channel) amax as it is, for the weight gradient."""
+    offsets = torch.tensor([16, 16, 48], dtype=torch.int32)  # expert 1 has no rows
+    rows, channels = 56, 64  # 8 rows past the last expert
+    x = bf16((rows, channels), 9)
+    s = torch.rand(3, channels, generator=torch.Generator().manual_seed(10)) * 1e-3 + 1e-4
+    q, scale, col_amax = ref.quantise_grad_rows(x, offsets, s)
+    x32 = x.float().numpy()
+    expert = np.array([0] * 16 + [2] * 32 + [-1] * 8)
+    scaled = np.where(expert[:, None] >= 0, x32 * s.numpy()[np.maximum(expert, 0)], x32).astype(F32)
+    want_scale = scale_of(np.abs(scaled).max(axis=1), ref.MIN_AMAX_SMALL)
+    assert np.array_equal(scale.numpy(), want_scale)
+    assert np.array_equal(q.double().numpy(), quantised(scaled, want_scale[:, None]))
+    want_amax = np.stack([np.abs(x32[:16]).max(axis=0), np.zeros(channels), np.abs(x32[16:48]).max(axis=0)])
+    assert np.array_equal(col_amax.numpy(), want_amax.astype(F32))
+
+    # the gate's backward quantises dh13 the same way; its bf16 dh13 (the weight gradient's) is
+    # times the input rows' scales instead, and its column amax is of [h | dh1 | dh3] as stored
+    h13, dh = bf16((rows, 2 * channels), 11), bf16((rows, channels), 12, scale=1e-3)
+    s13 = torch.rand(3, 2 * channels, generator=torch.Generator().manual_seed(13)) + 0.5
+    row_scale = torch.rand(rows, generator=torch.Generator().manual_seed(14)) * 1e-2
+    q, scale, grad_h13, h, col_amax = ref.gate_backward(h13, dh, offsets, s13, row_scale)
+    plain = ref.gate_backward(h13, dh, offsets)
+    assert torch.equal(h, plain[3])
+    leaf = h13.double().requires_grad_(True)
+    g1, g3 = leaf.chunk(2, dim=1)
+    (g1 * torch.sigmoid(g1) * g3).backward(dh.double())
+    assert torch.allclose(grad_h13.double(), leaf.grad * row_scale.double()[:, None], rtol=1e-2, atol=1e-9)
+    want = leaf.grad * ref.per_row(s13, offsets, rows).double()
+    assert torch.allclose(q.double() * scale.double()[:, None], want, rtol=2 ** -3, atol=scale.max().item() * 2 ** -9)
+    assert not torch.allclose(q.double() * scale.double()[:, None], leaf.grad, rtol=2 ** -3,
+                              atol=scale.max().item() * 2 ** -9)  # the scales did move it
+    stored = torch.cat([h, grad_h13], dim=1).float().abs().numpy()
+    want_amax = np.stack([stored[:16].max(axis=0), np.zeros(3 * channels), stored[16:48].max(axis=0)])
+    assert np.array_equal(col_amax.numpy(), want_amax.astype(F32))
 
 
 def test_group_columns_per_expert_and_channel():
@@ -137,11 +171,13 @@ def test_group_columns_per_expert_and_channel():
     rows, channels = 70, 64  # 6 rows past the last expert: never read
     x = bf16((rows, channels), 8)
     x[64:] = float("nan")
-    q, scale = ref.group_columns(x, None, offsets, halves=2)
+    col_amax = ref.column_amax(x, offsets)
+    q, scale = ref.group_columns(x, col_amax, offsets, halves=2)
     assert q.shape == (64, 80) and scale.shape == (2, 4 * 32)
     xf = x.float().numpy()
     for g, (s, e) in enumerate([(0, 16), (16, 16), (16, 48), (48, 64)]):
         amax = np.abs(xf[s:e]).max(axis=0) if e > s else np.zeros(channels)
+        assert np.array_equal(col_amax[g].numpy(), amax.astype(F32))
         want = scale_of(amax, ref.MIN_AMAX_SMALL)
         for c in range(channels):
             h, cc = divmod(c, 32)
@@ -149,13 +185,13 @@ def test_group_columns_per_expert_and_channel():
             assert np.array_equal(q[c, s:e].double().numpy(), quantised(xf[s:e, c], want[c]))
     assert torch.equal(q[:, 64:].float(), torch.zeros(64, 16))
 
-    # e4m3 rows with a scale per row stand for q * scale
-    xq, xs = ref.quantise_rows(x[:64])
-    q2, scale2 = ref.group_columns(xq, xs, offsets[:], halves=1)
-    deq = (xq.float() * xs[:, None]).numpy()
-    want = scale_of(np.abs(deq[16:48]).max(axis=0), ref.MIN_AMAX_SMALL)
-    assert np.array_equal(scale2[0, 2 * 64:3 * 64].numpy(), want)
-    assert np.array_equal(q2[:, 16:48].double().numpy(), quantised(deq[16:48], want[None, :]).T)
+    # e4m3 rows are transposed as they are (their row scales go into the other operand)
+    xq, _ = ref.quantise_rows(x[:64])
+    xq = torch.cat([xq, torch.full((6, channels), float("nan")).to(ref.FP8)])
+    t = ref.transpose_rows(xq, offsets)
+    assert t.shape == (64, 80)
+    assert np.array_equal(t[:, :64].view(torch.uint8).numpy(), xq[:64].view(torch.uint8).numpy().T)
+    assert torch.equal(t[:, 64:].float(), torch.zeros(64, 16))
 
 
 def _power_of_two_scales(n, seed):

@@ -534,8 +534,8 @@ def test_comm_free_recompute_keeps_its_tensors_in_the_memory():
 def test_fp8_experts_kept_weights_are_in_the_memory_where_the_run_keeps_them():
     """Issue 35: where the FP8 experts run more than once per step (microbatches, recompute),
     their e4m3 weights stay over the step (moe_comm.fp8_experts.WeightCache): every MoE layer of
-    the busiest pipeline rank holds cached_weight_bytes more; bf16 experts and a run with one
-    forward per step hold none."""
+    the busiest pipeline rank holds cached_weight_bytes more; bf16 experts hold none, and a run with
+    one forward per step only the forward's copies, from each layer's forward to its backward."""
     from moe_comm import fp8_experts
 
     w = replace(_deepep_workload(), expert_dtype="fp8")
@@ -547,7 +547,17 @@ def test_fp8_experts_kept_weights_are_in_the_memory_where_the_run_keeps_them():
     # without PP the forward's end holds the forward copies only (the one-GPU recipe under AC, run 30)
     nopp = replace(w, layout=replace(w.layout, pp=1, dp_shard=w.layout.dp_shard * w.layout.pp), local_batch=1)
     a, b = scale_model.memory(replace(nopp, expert_dtype="bf16"), "nvshmem"), scale_model.memory(nopp, "nvshmem")
-    assert b.forward_end - a.forward_end == pytest.approx(b.fp8_weights / 2)
+    forward = fp8_experts.forward_weight_bytes(w.args.moe_args.num_experts // w.layout.ep, w.args.dim,
+                                               w.args.moe_inter_dim)
+    assert b.forward_end - a.forward_end == pytest.approx(b.fp8_forward_weights) and b.fp8_forward_weights % forward == 0
+    assert b.backward_end - a.backward_end == pytest.approx(b.fp8_weights)
+    # one forward per step (no AC, one microbatch): nothing cached, but each MoE layer's forward
+    # copies are saved for its backward (which transposes them), at the forward's end only
+    once = replace(nopp, ac_mode="none", accumulation=1)
+    a, b = scale_model.memory(replace(once, expert_dtype="bf16"), "nvshmem"), scale_model.memory(once, "nvshmem")
+    assert b.fp8_weights == 0 and b.fp8_forward_weights > 0 and b.fp8_forward_weights % forward == 0
+    assert b.forward_end - a.forward_end == pytest.approx(b.fp8_forward_weights)
+    assert b.backward_end == pytest.approx(a.backward_end)
     assert b.backward_end - a.backward_end == pytest.approx(b.fp8_weights)
     one = replace(w, ac_mode="none", layout=replace(w.layout, pp=1, dp_shard=w.layout.dp_shard * w.layout.pp))
     assert one.microbatches == 1 and scale_model.memory(one, "nvshmem").fp8_weights == 0

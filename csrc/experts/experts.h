@@ -23,12 +23,19 @@ constexpr int kRowVecs = 4;
 constexpr int kMaxRowChannels = kRowThreads * kRowVecs * 8;
 
 // x [rows, channels] bf16 -> q e4m3 + one scale per row (the output gradient, for dgrad).
+// channel_scale, where given, multiplies each row of expert e channel by channel before the
+// quantisation: dgrad's weights are the forward's e4m3 codes transposed, and the forward's scale
+// of each weight row (one per channel of this operand) moves onto this side of the GEMM.
+// col_amax, where given, receives each (expert, channel)'s amax of x (the weight gradient's
+// token-wise scales: GroupColumnsArgs).
 struct QuantiseRowsArgs {
   const void* x;
   const int32_t* offsets;  // [groups]: rows of expert e end at offsets[e]
+  const float* channel_scale;  // null, or [groups, channels]
   int groups, channels;
   uint8_t* q;
   float* scale;
+  float* col_amax;  // null, or [groups, channels], zeroed by the caller
 };
 
 // The gate between the GEMMs: h = silu(h1) * h3 of h13 = [h1 | h3] [rows, 2 inter] bf16,
@@ -42,23 +49,28 @@ struct GateArgs {
 };
 
 // Its backward: from h13 and dh = dL/dh [rows, inter] bf16, dh13 = [dh1 | dh3] quantised with
-// one scale per row (the dgrad GEMM's left operand), dh13 in bf16 and h in bf16 (the weight
-// gradients').
+// one scale per row (the dgrad GEMM's left operand; times channel_scale first, as in
+// QuantiseRowsArgs), and the weight gradients' operands in bf16: dh13 times row_scale (the
+// experts' input rows' e4m3 scales, so that their weight gradient takes the rows' codes as they
+// are) and h, with each (expert, channel)'s amax of [h | dh1 | dh3] in col_amax.
 struct GateBackwardArgs {
   const void* h13;
   const void* grad_h;
   const int32_t* offsets;
+  const float* channel_scale;  // null, or [groups, 2 inter]
+  const float* row_scale;      // null, or [rows]
   int groups, inter;
   uint8_t* q;          // [rows, 2 inter]
   float* scale;        // [rows]
   void* grad_h13;      // [rows, 2 inter] bf16
   void* h;             // [rows, inter] bf16
+  float* col_amax;     // null, or [groups, 3 inter], zeroed by the caller
 };
 
 // Weights [experts, rows_a + rows_b, cols], stacked from a [experts, rows_a, cols] and b (the
 // gate and up projections make one GEMM), fp32 or bf16 -> e4m3 with one scale per row (the
-// forward GEMM's output channels), and the amax of every column (atomically, over zeros) for
-// the transposed copy the backward quantises.
+// forward GEMM's output channels). dgrad uses the same codes transposed (WeightsTransposedArgs)
+// with these scales folded into its left operand, so the parameters are read once.
 struct WeightsArgs {
   const void* a;
   const void* b;  // null: rows_b == 0
@@ -66,29 +78,28 @@ struct WeightsArgs {
   bool fp32;
   uint8_t* q;        // [experts, rows, cols]
   float* scale;      // [experts, rows]
-  float* col_amax;   // [experts, cols], zeroed by the caller
 };
 
-// The same weights transposed: [experts, cols, rows] e4m3 with one scale per column of the
-// original (the dgrad GEMM's output channels), from the forward's column amax.
+// Those codes transposed, byte for byte: [experts, rows, cols] -> [experts, cols, rows], the
+// K-major right operand of the dgrad GEMM (FP8 tensor cores take both operands K-major).
 struct WeightsTransposedArgs {
-  const void* a;
-  const void* b;
-  int experts, rows_a, rows_b, cols;
-  bool fp32;
-  const float* col_amax;
-  uint8_t* q;        // [experts, cols, rows]
-  float* scale;      // [experts, cols]
+  const uint8_t* q;
+  int experts, rows, cols;
+  uint8_t* out;
 };
 
-// The weight gradients' operands: x [rows, channels] (bf16, or e4m3 with row_scale) transposed
-// to [channels, row_stride] e4m3 with one scale per (expert, channel) over the expert's rows:
-// the K-major layout and token-wise scaling a 2D x 2D scaled grouped GEMM takes. `halves` 2
-// splits the channels in two operands (dh1, dh3) whose scales are stored apart:
-// scale[(h * groups + e) * (channels / halves) + c].
+// The weight gradients' operands: x [rows, channels] transposed to [channels, row_stride] e4m3,
+// the K-major layout a 2D x 2D scaled grouped GEMM takes for a contraction over the rows. bf16 x
+// is quantised with one scale per (expert, channel) over the expert's rows, from the amax its
+// producer took (quantise_rows.cu, gate_backward.cu): token-wise scaling, which rowwise scaling
+// cannot give. e4m3 x (the experts' input rows) is transposed byte for byte: its row scales went
+// into the other operand (gate_backward.cu). `halves` 2 splits the channels in two operands
+// (dh1, dh3) whose scales are stored apart: scale[(h * groups + e) * (channels / halves) + c].
 struct GroupColumnsArgs {
   const void* x;
-  const float* row_scale;  // null: x is bf16
+  bool bytes;              // x is e4m3, copied as it is (col_amax and scale unused)
+  const float* col_amax;   // [groups, channels] with rows amax_stride apart
+  int64_t amax_stride;
   const int32_t* offsets;
   int groups, channels, halves;
   int64_t row_stride;      // of q: the rows rounded up to 16
@@ -99,7 +110,7 @@ struct GroupColumnsArgs {
 void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_gate(const GateArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
-void launch_weights(const WeightsArgs& a, cudaStream_t stream);
+void launch_weights(const WeightsArgs& a, int sm_count, cudaStream_t stream);
 void launch_weights_transposed(const WeightsTransposedArgs& a, cudaStream_t stream);
 void launch_group_columns(const GroupColumnsArgs& a, cudaStream_t stream);
 

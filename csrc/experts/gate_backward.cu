@@ -2,9 +2,11 @@
 // dh = dL/dh (the dgrad GEMM's bf16 output), in fp32:
 //   dh1 = dh * h3 * s * (1 + h1 * (1 - s)),  s = sigmoid(h1)
 //   dh3 = dh * silu(h1)
-// dh13 = [dh1 | dh3] is quantised with one scale per row (the next dgrad GEMM's left operand)
-// and also stored in bf16, with h in bf16: the weight gradients' operands. One read of h13 and
-// dh per row.
+// dh13 = [dh1 | dh3] is quantised with one scale per row (the next dgrad GEMM's left operand,
+// times its expert's W1|W3 row scales where given: experts.h) and also stored in bf16 times the
+// row's input scale (where given: the experts' input rows' e4m3 scale, which the weight gradient
+// then needs not apply to the rows), with h in bf16: the weight gradients' operands, whose
+// (expert, channel) amax the same pass takes ([h | dh1 | dh3]). One read of h13 and dh per row.
 #include <cuda_bf16.h>
 
 #include "common/launch.h"
@@ -14,9 +16,14 @@ namespace moe_comm {
 
 __global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBackwardArgs a) {
   __shared__ float scratch[kRowThreads / kWarpSize];
-  const int64_t rows = rows_used(a.offsets, a.groups);
+  extern __shared__ float4 walk_s[];
+  int64_t first, last;
+  block_rows(rows_used(a.offsets, a.groups), first, last);
+  ExpertWalk walk(a.offsets, a.groups, first, a.channel_scale, 2 * a.inter, a.col_amax, 3 * a.inter, walk_s);
   const int vecs = a.inter / 8;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  for (int64_t row = first; row < last; ++row) {
+    const float* channel_scale = walk.enter(row);
+    const float row_scale = a.row_scale ? a.row_scale[row] : 1.f;
     const uint4* h1 = static_cast<const uint4*>(a.h13) + row * 2 * vecs;
     const uint4* h3 = h1 + vecs;
     const uint4* dh = static_cast<const uint4*>(a.grad_h) + row * vecs;
@@ -41,9 +48,17 @@ __global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBa
           d3[i][e] = grad[e] * act;
           h[e] = act * up[e];
         }
-        out_dh1[v] = floats_to_bf16x8(d1[i]);
-        out_dh3[v] = floats_to_bf16x8(d3[i]);
+        float w1[8], w3[8];  // what the weight gradients take: dh13 times the input row's scale
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w1[e] = d1[i][e] * row_scale, w3[e] = d3[i][e] * row_scale;
+        out_dh1[v] = floats_to_bf16x8(w1);
+        out_dh3[v] = floats_to_bf16x8(w3);
         out_h[v] = floats_to_bf16x8(h);
+        walk.take8(h, 8 * v);
+        walk.take8(w1, a.inter + 8 * v);
+        walk.take8(w3, 2 * a.inter + 8 * v);
+        scale8(d1[i], channel_scale, 8 * v);
+        scale8(d3[i], channel_scale, a.inter + 8 * v);
         amax = fmaxf(amax, fmaxf(amax8(d1[i]), amax8(d3[i])));
       }
     }
@@ -60,10 +75,15 @@ __global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBa
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }
+  walk.finish();
 }
 
 void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
-  gate_backward_kernel<<<row_blocks(rows, sm_count), kRowThreads, 0, stream>>>(a);
+  const size_t smem = ExpertWalk::smem_bytes(a.channel_scale, 2 * a.inter, a.col_amax, 3 * a.inter);
+  if (smem > 48 * 1024) {  // up to 160 KiB (inter 8192)
+    MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(gate_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  }
+  gate_backward_kernel<<<resident_blocks(gate_backward_kernel, kRowThreads, smem, sm_count, rows), kRowThreads, smem, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_gate_backward");
 }
 

@@ -1,5 +1,8 @@
 // Quantise rows: the output gradient dY, rowwise, for the dgrad GEMM dY x W2 (one read of the
-// bf16 row, one write of e4m3 and its scale). The gradient floor (kFp8MinAmaxSmall) applies.
+// bf16 row, one write of e4m3 and its scale), each row first multiplied channel by channel by
+// its expert's W2 row scales where given (experts.h). The gradient floor (kFp8MinAmaxSmall)
+// applies. The same read takes each (expert, channel)'s amax of dY for the weight gradient's
+// operand (group_columns.cu).
 #include <cuda_bf16.h>
 
 #include "common/launch.h"
@@ -9,9 +12,13 @@ namespace moe_comm {
 
 __global__ void __launch_bounds__(kRowThreads) quantise_rows_kernel(const QuantiseRowsArgs a) {
   __shared__ float scratch[kRowThreads / kWarpSize];
-  const int64_t rows = rows_used(a.offsets, a.groups);
+  extern __shared__ float4 walk_s[];
+  int64_t first, last;
+  block_rows(rows_used(a.offsets, a.groups), first, last);
+  ExpertWalk walk(a.offsets, a.groups, first, a.channel_scale, a.channels, a.col_amax, a.channels, walk_s);
   const int vecs = a.channels / 8;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  for (int64_t row = first; row < last; ++row) {
+    const float* channel_scale = walk.enter(row);
     const uint4* x = static_cast<const uint4*>(a.x) + row * vecs;
     float f[kRowVecs][8];
     float amax = 0.f;
@@ -20,6 +27,8 @@ __global__ void __launch_bounds__(kRowThreads) quantise_rows_kernel(const Quanti
       const int v = threadIdx.x + i * kRowThreads;
       if (v < vecs) {
         bf16x8_to_floats(x[v], f[i]);
+        walk.take8(f[i], 8 * v);
+        scale8(f[i], channel_scale, 8 * v);
         amax = fmaxf(amax, amax8(f[i]));
       }
     }
@@ -32,10 +41,15 @@ __global__ void __launch_bounds__(kRowThreads) quantise_rows_kernel(const Quanti
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }
+  walk.finish();
 }
 
 void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
-  quantise_rows_kernel<<<row_blocks(rows, sm_count), kRowThreads, 0, stream>>>(a);
+  const size_t smem = ExpertWalk::smem_bytes(a.channel_scale, a.channels, a.col_amax, a.channels);
+  if (smem > 48 * 1024) {  // up to 64 KiB (kMaxRowChannels of each)
+    MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(quantise_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  }
+  quantise_rows_kernel<<<resident_blocks(quantise_rows_kernel, kRowThreads, smem, sm_count, rows), kRowThreads, smem, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_quantise_rows");
 }
 

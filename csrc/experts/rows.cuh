@@ -3,6 +3,7 @@
 
 #include <cuda_bf16.h>
 
+#include "common/launch.h"
 #include "common/vec.cuh"
 #include "experts/experts.h"
 
@@ -13,8 +14,127 @@ namespace moe_comm {
 // Rows the GEMM reads: those before the last expert's segment end.
 __device__ __forceinline__ int64_t rows_used(const int32_t* offsets, int groups) { return offsets[groups - 1]; }
 
-// Max of v over the block, on every thread. `scratch`: kRowThreads / 32 floats of shared memory,
-// free again when this returns (the first barrier keeps a previous call's readers ahead).
+// The rows [first, last) a block of a row kernel takes: a contiguous share of the rows used, so
+// that a block walks each expert's rows in order (ExpertWalk) and reuses what it keeps per
+// expert. The grid is one wave (resident_blocks): with four waves of blocks that each walked 32
+// rows, the gate's backward ran at 0.71 ms where one row per block in turn took 0.43 (the
+// flagship rank's rows, run 35).
+__device__ __forceinline__ void block_rows(int64_t rows, int64_t& first, int64_t& last) {
+  const int64_t per = (rows + gridDim.x - 1) / gridDim.x;
+  first = min(rows, (int64_t)blockIdx.x * per);
+  last = min(rows, first + per);
+}
+
+// The expert of each row as a block walks its rows in increasing order from `first` (rows below
+// offsets[groups - 1]): found once by bisection, then followed.
+struct GroupCursor {
+  const int32_t* offsets;
+  int group;
+  int64_t end;
+  __device__ __forceinline__ GroupCursor(const int32_t* o, int groups, int64_t first) : offsets(o) {
+    int lo = 0, hi = groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (o[mid] > first) hi = mid; else lo = mid + 1;
+    }
+    group = lo;
+    end = o[lo];
+  }
+  __device__ __forceinline__ int at(int64_t row) {
+    while (row >= end) end = offsets[++group];
+    return group;
+  }
+};
+
+// A row kernel's walk over its rows, expert by expert, with what it keeps per expert in shared
+// memory: the channel scales folded into the rows (where given; [groups, channels] in global
+// memory), loaded when the walk enters an expert, and the columns' amax of the bf16 rows the
+// kernel writes for the weight gradients (where asked), merged into col_amax ([groups,
+// amax_channels], zeroed by the caller; non-negative floats order as their bits do) when it
+// leaves it: the amax of the fp32 values rounded to bf16, which is the amax of the rounded
+// values (rounding is monotonic). Each
+// thread updates only its own channels, so the shared arrays need no atomics. Read straight
+// from global memory per row, the scales cost more than the rows (fp32 scales against bf16 rows)
+// and the rows' stream evicted them from L1 (the one-GPU recipe's dy and dh13 kernels: +1.9 ms a
+// step, run 35); the columns' amax taken here spares the weight gradients' operands a pass over
+// the rows (group_columns.cu).
+struct ExpertWalk {
+  GroupCursor experts;
+  const float* scale_src;  // null: nothing to fold; else [groups, scale_channels]
+  int scale_channels;
+  float4* scales_s;        // [scale_channels / 4]
+  float* col_amax;         // null: no columns' amax; else [groups, amax_channels]
+  int amax_channels;
+  float* col_amax_s;       // [amax_channels]
+  int current = -1;
+
+  // Shared memory: the scales (if any), then the columns' amax (if any).
+  static size_t smem_bytes(const float* scales, int scale_channels, const float* amax, int amax_channels) {
+    return ((scales ? scale_channels : 0) + (amax ? amax_channels : 0)) * sizeof(float);
+  }
+  __device__ __forceinline__ ExpertWalk(const int32_t* offsets, int groups, int64_t first, const float* scales,
+                                        int scale_c, float* amax, int amax_c, float4* smem)
+      : experts(offsets, groups, first), scale_src(scales), scale_channels(scale_c), scales_s(smem), col_amax(amax),
+        amax_channels(amax_c), col_amax_s(reinterpret_cast<float*>(smem) + (scales ? scale_c : 0)) {
+    if (col_amax != nullptr) {
+      for (int i = threadIdx.x; i < amax_channels; i += blockDim.x) col_amax_s[i] = 0.f;
+    }
+  }
+  // Enter row's expert (every thread of the block, the same row): the scales to fold, or null.
+  __device__ __forceinline__ const float* enter(int64_t row) {
+    const int g = experts.at(row);
+    if (g != current && (scale_src != nullptr || col_amax != nullptr)) {
+      __syncthreads();  // the previous expert's readers and writers are done
+      merge();
+      if (scale_src != nullptr) {
+        const float4* from = reinterpret_cast<const float4*>(scale_src + (int64_t)g * scale_channels);
+        for (int i = threadIdx.x; i < scale_channels / 4; i += blockDim.x) scales_s[i] = from[i];
+      }
+      __syncthreads();
+    }
+    current = g;
+    return scale_src != nullptr ? reinterpret_cast<const float*>(scales_s) : nullptr;
+  }
+  // |f| into the columns' amax of channels c..c+8 (this thread's own).
+  __device__ __forceinline__ void take8(const float (&f)[8], int c) {
+    if (col_amax == nullptr) return;
+    float4* m = reinterpret_cast<float4*>(col_amax_s + c);
+    float4 lo = m[0], hi = m[1];
+    lo.x = fmaxf(lo.x, fabsf(f[0])), lo.y = fmaxf(lo.y, fabsf(f[1])), lo.z = fmaxf(lo.z, fabsf(f[2])), lo.w = fmaxf(lo.w, fabsf(f[3]));
+    hi.x = fmaxf(hi.x, fabsf(f[4])), hi.y = fmaxf(hi.y, fabsf(f[5])), hi.z = fmaxf(hi.z, fabsf(f[6])), hi.w = fmaxf(hi.w, fabsf(f[7]));
+    m[0] = lo, m[1] = hi;
+  }
+  // After the block's last row.
+  __device__ __forceinline__ void finish() {
+    __syncthreads();
+    merge();
+  }
+
+ private:
+  // The current expert's columns' amax into col_amax, and zeroed for the next (between barriers).
+  __device__ __forceinline__ void merge() {
+    if (col_amax == nullptr || current < 0) return;
+    int* out = reinterpret_cast<int*>(col_amax + (int64_t)current * amax_channels);
+    for (int i = threadIdx.x; i < amax_channels; i += blockDim.x) {
+      const float m = __bfloat162float(__float2bfloat16(col_amax_s[i]));
+      if (m > 0.f) atomicMax(out + i, __float_as_int(m));
+      col_amax_s[i] = 0.f;
+    }
+  }
+};
+
+// f *= scales[c..c+8) (a no-op for null: no scale to fold).
+__device__ __forceinline__ void scale8(float (&f)[8], const float* channel_scale, int64_t at) {
+  if (channel_scale == nullptr) return;
+  const float4* p = reinterpret_cast<const float4*>(channel_scale + at);
+  const float4 lo = p[0], hi = p[1];
+  f[0] *= lo.x, f[1] *= lo.y, f[2] *= lo.z, f[3] *= lo.w;
+  f[4] *= hi.x, f[5] *= hi.y, f[6] *= hi.z, f[7] *= hi.w;
+}
+
+// Max of v over the block of kThreads, on every thread. `scratch`: kThreads / 32 floats of shared
+// memory, free again when this returns (the first barrier keeps a previous call's readers ahead).
+template <int kThreads = kRowThreads>
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   v = warp_max(v);
@@ -23,13 +143,24 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   __syncthreads();
   float m = 0.f;
 #pragma unroll
-  for (int w = 0; w < kRowThreads / kWarpSize; ++w) m = fmaxf(m, scratch[w]);
+  for (int w = 0; w < kThreads / kWarpSize; ++w) m = fmaxf(m, scratch[w]);
   return m;
 }
 
-// Grid of a row kernel: a block per row, at most eight resident per SM's worth.
-inline int row_blocks(int64_t rows, int sm_count) {
-  const int64_t most = (int64_t)sm_count * 8;
+// A kernel's blocks that fit on the GPU at once (the grid of a row kernel that walks contiguous
+// rows: block_rows), at most one per row.
+template <typename Kernel>
+inline int resident_blocks(Kernel kernel, int threads, size_t smem, int sm_count, int64_t rows) {
+  int per_sm = 0;
+  MOE_COMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  const int64_t most = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count;
+  return (int)(rows < most ? (rows > 0 ? rows : 1) : most);
+}
+
+// Grid of a row kernel: a block per row, at most as many as fit on the GPU at once (blocks of
+// kRowThreads: eight per SM).
+inline int row_blocks(int64_t rows, int sm_count, int blocks_per_sm = 8) {
+  const int64_t most = (int64_t)sm_count * blocks_per_sm;
   return (int)(rows < most ? (rows > 0 ? rows : 1) : most);
 }
 

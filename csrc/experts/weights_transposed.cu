@@ -1,11 +1,12 @@
-// Weights for the dgrad GEMMs: [experts, rows, cols] transposed to [experts, cols, rows] e4m3,
-// with one scale per column of the original (an output channel of dgrad), taken from the
-// column amax the forward's pass (weights.cu) recorded. FP8 tensor cores take both operands
-// K-major, so dgrad's right operand must be this transposed copy; one pass over the parameters,
-// in the backward (the forward's copy is not kept: under FSDP the weights are gathered again).
+// Weights for the dgrad GEMMs: the forward's e4m3 codes (weights.cu) [experts, rows, cols]
+// transposed byte for byte to [experts, cols, rows]. FP8 tensor cores take both operands K-major,
+// so dgrad's right operand must be this transposed copy; its scales are the forward's row scales,
+// which the backward folds into dgrad's left operand (quantise_rows.cu, gate_backward.cu), so
+// this is a copy of 1 byte per weight each way instead of a second quantisation of the
+// parameters (4 bytes per weight read at world 1).
 //
-// A block transposes a tile of kTileRows x kTileCols through shared memory: loads along the
-// columns, stores along the rows, 16 bytes a thread each way (the tile swizzled: tile_offset).
+// A block transposes a tile of kTileRows x kTileCols through shared memory: loads of 8 bytes
+// along the columns, stores of 16 along the rows (the tile swizzled: tile_offset).
 #include <cuda_bf16.h>
 
 #include "common/launch.h"
@@ -20,34 +21,19 @@ static_assert(kTileRows == kTransposeRows && kTileCols / 8 == kTransposeVecs, "t
 
 __global__ void __launch_bounds__(kRowThreads) weights_transposed_kernel(const WeightsTransposedArgs a) {
   __shared__ __align__(16) uint8_t tile[kTileCols * kTilePitch];
-  __shared__ float scales[kTileCols];
-  const int e = blockIdx.z, rows = a.rows_a + a.rows_b;
+  const int e = blockIdx.z;
   const int n0 = blockIdx.y * kTileRows, c0 = blockIdx.x * kTileCols;
-  if (threadIdx.x < kTileCols) {
-    const int c = c0 + threadIdx.x;
-    const float scale = c < a.cols ? fp8_scale(a.col_amax[(int64_t)e * a.cols + c], kFp8MinAmaxSmall) : 1.f;
-    scales[threadIdx.x] = scale;
-    if (blockIdx.y == 0 && c < a.cols) a.scale[(int64_t)e * a.cols + c] = scale;
-  }
-  __syncthreads();
   constexpr int kLoads = kTileRows * kTileCols / 8 / kRowThreads;
 #pragma unroll
   for (int i = 0; i < kLoads; ++i) {
     const int id = threadIdx.x + i * kRowThreads;
     const int r = id / (kTileCols / 8), cv = id % (kTileCols / 8);
     const int n = n0 + r, c = c0 + 8 * cv;
-    if (n >= rows || c >= a.cols) continue;
-    const bool in_a = n < a.rows_a;
-    const int64_t base =
-        in_a ? ((int64_t)e * a.rows_a + n) * a.cols : ((int64_t)e * a.rows_b + n - a.rows_a) * a.cols;
-    float f[8];
-    load8(in_a ? a.a : a.b, a.fp32, base + c, f);
+    if (n >= a.rows || c >= a.cols) continue;
+    const uint2 v = *reinterpret_cast<const uint2*>(a.q + ((int64_t)e * a.rows + n) * a.cols + c);
     const int at = tile_offset<kTilePitch>(8 * cv, r);  // channel 8cv + k's byte at at + k * kTilePitch
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(f[k] / scales[8 * cv + k], __NV_SATFINITE, __NV_E4M3);
-      tile[at + k * kTilePitch] = q;
-    }
+    for (int k = 0; k < 8; ++k) tile[at + k * kTilePitch] = (uint8_t)(((k < 4 ? v.x : v.y) >> (8 * (k % 4))) & 0xff);
   }
   __syncthreads();
   constexpr int kStores = kTileCols * kTileRows / 16 / kRowThreads;
@@ -56,21 +42,15 @@ __global__ void __launch_bounds__(kRowThreads) weights_transposed_kernel(const W
     const int id = threadIdx.x + i * kRowThreads;
     const int cl = id / (kTileRows / 16), seg = id % (kTileRows / 16);
     const int c = c0 + cl, n = n0 + 16 * seg;
-    if (c >= a.cols || n >= rows) continue;
-    uint8_t* out = a.q + ((int64_t)e * a.cols + c) * rows + n;
-    const uint8_t* from = tile + tile_offset<kTilePitch>(cl, 16 * seg);
-    if (n + 16 <= rows) {
-      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(from);
-    } else {
-      for (int k = 0; k < rows - n; ++k) out[k] = from[k];
-    }
+    if (c >= a.cols || n >= a.rows) continue;  // rows are whole 16s (the op checks)
+    *reinterpret_cast<uint4*>(a.out + ((int64_t)e * a.cols + c) * a.rows + n) =
+        *reinterpret_cast<const uint4*>(tile + tile_offset<kTilePitch>(cl, 16 * seg));
   }
 }
 
 void launch_weights_transposed(const WeightsTransposedArgs& a, cudaStream_t stream) {
-  const int rows = a.rows_a + a.rows_b;
-  if (a.experts == 0 || rows == 0 || a.cols == 0) return;
-  const dim3 grid((a.cols + kTileCols - 1) / kTileCols, (rows + kTileRows - 1) / kTileRows, a.experts);
+  if (a.experts == 0 || a.rows == 0 || a.cols == 0) return;
+  const dim3 grid((a.cols + kTileCols - 1) / kTileCols, (a.rows + kTileRows - 1) / kTileRows, a.experts);
   weights_transposed_kernel<<<grid, kRowThreads, 0, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_weights_transposed");
 }

@@ -4,8 +4,8 @@ GPU, and what the FP8 experts run on CPU tensors (tests) with the grouped GEMM e
 Every quantiser in csrc/ works one way (csrc/common/vec.cuh): over a group of values,
 scale = max(amax, floor) / 448 in fp32, q = x / scale rounded to the nearest e4m3 (|q| <= 448),
 and the value q stands for is q * scale. A group is a row (one fp32 scale per row: the FP8
-experts' operands), 128 channels of a row (FP8 dispatch's wire), a weight row or column per
-expert, or one channel over one expert's rows (the weight gradients' operands). The floor is
+experts' operands), 128 channels of a row (FP8 dispatch's wire), a weight row per expert, or
+one channel over one expert's rows (the weight gradients' operands). The floor is
 1e-4 for activation rows (FP8 dispatch's, kept so its wire stays as it was) and 1e-30 for
 gradients and the experts' own operands, whose values are often far below 1e-4.
 
@@ -44,6 +44,36 @@ def quantise_rows(x_RC: torch.Tensor, min_amax: float = MIN_AMAX_SMALL) -> tuple
     return q, scale.squeeze(1)
 
 
+def per_row(channel_scale_LC: torch.Tensor, offsets_L: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, C] fp32: row r's expert's channel_scale row, ones past the last expert's segment."""
+    out = torch.ones(rows, channel_scale_LC.shape[1], dtype=torch.float32, device=channel_scale_LC.device)
+    for g, (start, end) in enumerate(segments(offsets_L)):
+        out[start:end] = channel_scale_LC[g]
+    return out
+
+
+def column_amax(x_RC: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
+    """[L, C] fp32: each (expert, channel)'s amax over the expert's rows (0 for an expert without)."""
+    x32 = x_RC.float().abs()
+    out = torch.zeros(len(offsets_L), x_RC.shape[1], dtype=torch.float32, device=x_RC.device)
+    for g, (start, end) in enumerate(segments(offsets_L)):
+        if end > start:
+            out[g] = x32[start:end].amax(dim=0)
+    return out
+
+
+def quantise_grad_rows(x_RC: torch.Tensor, offsets_L: torch.Tensor, channel_scale_LC: torch.Tensor | None = None):
+    """dgrad's left operand from the bf16 output gradient: each row times its expert's channel
+    scales (where given: the forward's weight row scales, see `weights_transposed`; in fp32, one
+    rounding), then rowwise e4m3; and the weight gradient's column amax of the rows as they are:
+    (q_RC, scale_R, col_amax_LC)."""
+    x32 = x_RC.float()
+    if channel_scale_LC is not None:
+        x32 = x32 * per_row(channel_scale_LC, offsets_L, x_RC.shape[0])
+    q, scale = quantise_rows(x32)
+    return q, scale, column_amax(x_RC, offsets_L)
+
+
 def dequantise_rows(q_RC: torch.Tensor, scale_R: torch.Tensor) -> torch.Tensor:
     """What rowwise e4m3 rows stand for, in fp32."""
     return q_RC.float() * scale_R[:, None]
@@ -64,15 +94,24 @@ def gate(h13_RI2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantise_rows(h1 * torch.sigmoid(h1) * h3)
 
 
-def gate_backward(h13_RI2: torch.Tensor, grad_h_RI: torch.Tensor):
-    """The gate's backward: (dh13 quantised rowwise, its scales, dh13 in bf16, h in bf16)."""
+def gate_backward(h13_RI2: torch.Tensor, grad_h_RI: torch.Tensor, offsets_L: torch.Tensor,
+                  channel_scale_LC: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None):
+    """The gate's backward: (dh13 quantised rowwise, its scales, dh13 in bf16, h in bf16, the
+    columns' amax [L, 3I] of [h | dh1 | dh3] as stored). The quantised dh13 is times its expert's
+    channel_scale first, where given (dgrad's folded weight scales); the bf16 dh13 is times the
+    row's row_scale, where given (the e4m3 input rows' scales, which their weight gradient then
+    does not apply)."""
     h1, h3 = h13_RI2.float().chunk(2, dim=1)
     g = grad_h_RI.float()
     s = torch.sigmoid(h1)
     act = h1 * s
     grad_h13 = torch.cat([g * h3 * s * (1 + h1 * (1 - s)), g * act], dim=1)
-    q, scale = quantise_rows(grad_h13)
-    return q, scale, grad_h13.to(torch.bfloat16), (act * h3).to(torch.bfloat16)
+    rows = h13_RI2.shape[0]
+    scaled = grad_h13 if channel_scale_LC is None else grad_h13 * per_row(channel_scale_LC, offsets_L, rows)
+    q, scale = quantise_rows(scaled)
+    wgrad_h13 = (grad_h13 if row_scale_R is None else grad_h13 * row_scale_R[:, None]).to(torch.bfloat16)
+    h = (act * h3).to(torch.bfloat16)
+    return q, scale, wgrad_h13, h, column_amax(torch.cat([h, wgrad_h13], dim=1), offsets_L)
 
 
 def _stacked(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -81,18 +120,17 @@ def _stacked(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
 
 def weights(a_LNK: torch.Tensor, b_LNK: torch.Tensor | None = None):
     """Weights [L, N, K] (a, then b, stacked along N) in e4m3 with one scale per row (output
-    channel), and every column's amax: (q_LNK, scale_LN, col_amax_LK)."""
+    channel): (q_LNK, scale_LN)."""
     w = _stacked(a_LNK, b_LNK)
     q, scale = quantise(w, w.abs().amax(dim=2, keepdim=True), MIN_AMAX_SMALL)
-    return q, scale.squeeze(2), w.abs().amax(dim=1)
+    return q, scale.squeeze(2)
 
 
-def weights_transposed(a_LNK: torch.Tensor, b_LNK: torch.Tensor | None, col_amax_LK: torch.Tensor):
-    """The same weights transposed, [L, K, N] e4m3, one scale per column of the original:
-    (q_LKN, scale_LK)."""
-    w = _stacked(a_LNK, b_LNK)
-    q, scale = quantise(w, col_amax_LK[:, None, :], MIN_AMAX_SMALL)
-    return q.transpose(1, 2).contiguous(), scale.squeeze(1)
+def weights_transposed(q_LNK: torch.Tensor) -> torch.Tensor:
+    """dgrad's right operand: the forward's codes transposed, [L, K, N], byte for byte. It stands
+    for W / scale_LN, so dgrad multiplies its left operand's channels by scale_LN first
+    (quantise_rows_scaled, gate_backward's channel_scale): dX = (dY diag(s)) Wq."""
+    return q_LNK.transpose(1, 2).contiguous()
 
 
 def segments(offsets_L: torch.Tensor) -> list[tuple[int, int]]:
@@ -101,22 +139,31 @@ def segments(offsets_L: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def group_columns(x_RC: torch.Tensor, row_scale_R: torch.Tensor | None, offsets_L: torch.Tensor, halves: int = 1):
-    """x (bf16, or e4m3 with a scale per row) transposed to [C, rows rounded up to 16] e4m3,
-    one scale per (expert, channel) over the expert's rows: (q_CR, scale [halves, L * C/halves]).
-    Columns past the last expert's rows are zero (the kernel leaves them as they were)."""
-    x32 = x_RC.float() if row_scale_R is None else dequantise_rows(x_RC, row_scale_R)
+def group_columns(x_RC: torch.Tensor, col_amax_LC: torch.Tensor, offsets_L: torch.Tensor, halves: int = 1):
+    """bf16 x transposed to [C, rows rounded up to 16] e4m3, one scale per (expert, channel) from
+    the expert's column amax (`column_amax` of x, as its producer took it): (q_CR, scale [halves,
+    L * C/halves]). Columns past the last expert's rows are zero (the kernel leaves them)."""
+    x32 = x_RC.float()
     rows, channels = x32.shape
     per_half = channels // halves
     q = torch.zeros(channels, (rows + 15) // 16 * 16, dtype=FP8, device=x_RC.device)
     scale = torch.empty(halves, len(offsets_L), per_half, dtype=torch.float32, device=x_RC.device)
     for g, (start, end) in enumerate(segments(offsets_L)):
-        seg = x32[start:end]
-        amax = seg.abs().amax(dim=0) if end > start else torch.zeros(channels, device=x_RC.device)
-        q_seg, s = quantise(seg, amax, MIN_AMAX_SMALL)
+        q_seg, s = quantise(x32[start:end], col_amax_LC[g], MIN_AMAX_SMALL)
         q[:, start:end] = q_seg.t()
         scale[:, g] = s.view(halves, per_half)
     return q, scale.view(halves, -1)
+
+
+def transpose_rows(x_RC: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
+    """e4m3 rows transposed byte for byte to [C, rows rounded up to 16] (the weight gradient's
+    operand of the experts' input rows, whose row scales went into the other operand); columns
+    past the last expert's rows are zero."""
+    rows, channels = x_RC.shape
+    q = torch.zeros(channels, (rows + 15) // 16 * 16, dtype=FP8, device=x_RC.device)
+    used = int(offsets_L[-1])
+    q[:, :used] = x_RC[:used].t()
+    return q
 
 
 def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -189,6 +189,9 @@ class MemoryEstimate:
     # (moe_comm.fp8_experts.WeightCache): the forward's copies from the step's first forward, dgrad's
     # transposed copies (as many bytes) from its first backward to the next step's first forward
     fp8_weights: float = 0.0
+    # of those (or, in a run that does not cache, what each MoE layer's forward saves for its
+    # backward, which transposes them), the forward's copies: held at the forward's end
+    fp8_forward_weights: float = 0.0
 
     @property
     def forward_end(self) -> float:
@@ -198,8 +201,8 @@ class MemoryEstimate:
         held = (self.params_and_optimizer + self.fsdp_working_set + self.weight_copies + self.activations
                 + self.comm_kept + self.logits + self.call_graphs)
         if self.pipelined:
-            return held + self.grad_reduce + self.fp8_weights
-        return held + self.fp8_weights / 2
+            return held + self.grad_reduce + max(self.fp8_weights, self.fp8_forward_weights)
+        return held + self.fp8_forward_weights
 
     @property
     def backward_end(self) -> float:
@@ -276,6 +279,7 @@ def memory_per_gpu(
     a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int = 1,
     pp_schedule: str = "1F1B", layers_per_stage: int | None = None, *, comm_kept_per_layer: float = 0.0,
     extra_chunks: int = 0, call_graphs_per_layer: float = 0.0, fp8_weights_per_layer: float = 0.0,
+    fp8_forward_weights_per_layer: float = 0.0,
 ) -> MemoryEstimate:
     """Per-GPU memory; with PP, of the pipeline rank that holds the most. `comm_kept_per_layer`:
     the bytes activation checkpointing keeps per MoE layer and microbatch so that its recompute
@@ -283,20 +287,24 @@ def memory_per_gpu(
     re-runs it, as TorchTitan's own does); `extra_chunks`: microbatch-stages a schedule holds
     beyond its own (the microbatch overlap's one more warmup forward); `call_graphs_per_layer`: the
     MoE calls' CUDA graph pools per MoE layer (call_graph_bytes, for a backend that graphs them);
-    `fp8_weights_per_layer`: what the FP8 experts keep of their e4m3 weights per MoE layer
-    (moe_comm.fp8_experts.cached_weight_bytes, where the run caches them)."""
+    `fp8_weights_per_layer`: what the FP8 experts keep of their e4m3 weights per MoE layer over the
+    step (moe_comm.fp8_experts.cached_weight_bytes, where the run caches them);
+    `fp8_forward_weights_per_layer`: the forward's copies among them, or what a run that does not
+    cache saves from each layer's forward to its backward (forward_weight_bytes)."""
     if layout.pp > 1:
         ranks = pipeline_ranks(a, layout, local_batch, microbatch, pp_schedule, layers_per_stage)
         return max((_memory(a, layout, local_batch, seq_len, ac_mode, microbatch, r, comm_kept_per_layer,
-                            extra_chunks, call_graphs_per_layer, fp8_weights_per_layer) for r in ranks),
-                   key=lambda mem: mem.total)
+                            extra_chunks, call_graphs_per_layer, fp8_weights_per_layer, fp8_forward_weights_per_layer)
+                    for r in ranks), key=lambda mem: mem.total)
     return _memory(a, layout, local_batch, seq_len, ac_mode, microbatch, None, comm_kept_per_layer,
-                   call_graphs_per_layer=call_graphs_per_layer, fp8_weights_per_layer=fp8_weights_per_layer)
+                   call_graphs_per_layer=call_graphs_per_layer, fp8_weights_per_layer=fp8_weights_per_layer,
+                   fp8_forward_weights_per_layer=fp8_forward_weights_per_layer)
 
 
 def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int,
             rank: PipelineRank | None, comm_kept_per_layer: float = 0.0, extra_chunks: int = 0,
-            call_graphs_per_layer: float = 0.0, fp8_weights_per_layer: float = 0.0) -> MemoryEstimate:
+            call_graphs_per_layer: float = 0.0, fp8_weights_per_layer: float = 0.0,
+            fp8_forward_weights_per_layer: float = 0.0) -> MemoryEstimate:
     p = count_params(a)
     shard = layout.dp_shard * layout.cp * layout.tp * layout.pp
     routed_per_block = expert_params(a, a.moe_args.num_experts)
@@ -359,6 +367,7 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
         weight_copies=weight_copies, logits=logits, allocator_cache=cache, pipelined=rank is not None,
         microbatches_in_flight=in_flight, stages_per_rank=rank.pipe.v if rank else 1, comm_kept=comm_kept,
         call_graphs=call_graphs_per_layer * moe_layers, fp8_weights=fp8_weights_per_layer * moe_layers,
+        fp8_forward_weights=fp8_forward_weights_per_layer * moe_layers,
     )
 
 

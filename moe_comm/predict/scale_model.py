@@ -806,14 +806,16 @@ def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
     experts' e4m3 weights where the run keeps them over the step."""
     graphs = (estimate.call_graph_bytes(w.args, w.tokens_per_call, w.layout.ep, w.recv_capacity_factor)
               if w.cuda_graphs and backend_class(backend).call_graphs else 0.0)
-    fp8_weights = 0.0
-    if w.expert_dtype == "fp8" and fp8_experts.caches_weights(w.microbatches * w.accumulation, w.ac_mode):
-        fp8_weights = fp8_experts.cached_weight_bytes(w.args.moe_args.num_experts // max(w.layout.ep, 1),
-                                                      w.args.dim, w.args.moe_inter_dim)
+    kept = forward = 0.0
+    if w.expert_dtype == "fp8":
+        shape = (w.args.moe_args.num_experts // max(w.layout.ep, 1), w.args.dim, w.args.moe_inter_dim)
+        forward = fp8_experts.forward_weight_bytes(*shape)
+        if fp8_experts.caches_weights(w.microbatches * w.accumulation, w.ac_mode):
+            kept = fp8_experts.cached_weight_bytes(*shape)
     return estimate.memory_per_gpu(
         w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch, w.pp_schedule, w.layers_per_stage,
         comm_kept_per_layer=comm_kept_per_layer(w, backend), extra_chunks=1 if w.overlap == "microbatch" else 0,
-        call_graphs_per_layer=graphs, fp8_weights_per_layer=fp8_weights)
+        call_graphs_per_layer=graphs, fp8_weights_per_layer=kept, fp8_forward_weights_per_layer=forward)
 
 
 def predict_all(w: Workload, cluster: Cluster, cal: Calibration) -> dict[str, StepPrediction]:
