@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBa
   extern __shared__ float4 walk_s[];
   int64_t first, last;
   block_rows(rows_used(a.offsets, a.groups), first, last);
-  ExpertWalk walk(a.offsets, a.groups, first, a.channel_scale, 2 * a.inter, a.col_amax, 3 * a.inter, walk_s);
+  ExpertWalk walk(a.offsets, a.channel_scale, 2 * a.inter, a.col_amax, 3 * a.inter, walk_s);
   const int vecs = a.inter / 8;
   for (int64_t row = first; row < last; ++row) {
     const float* channel_scale = walk.enter(row);
@@ -83,7 +83,7 @@ void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count,
   if (smem > 48 * 1024) {  // up to 160 KiB (inter 8192)
     MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(gate_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   }
-  gate_backward_kernel<<<resident_blocks(gate_backward_kernel, kRowThreads, smem, sm_count, rows), kRowThreads, smem, stream>>>(a);
+  gate_backward_kernel<<<row_blocks(rows, sm_count), kRowThreads, smem, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_gate_backward");
 }
 

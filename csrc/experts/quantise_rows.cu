@@ -15,7 +15,7 @@ __global__ void __launch_bounds__(kRowThreads) quantise_rows_kernel(const Quanti
   extern __shared__ float4 walk_s[];
   int64_t first, last;
   block_rows(rows_used(a.offsets, a.groups), first, last);
-  ExpertWalk walk(a.offsets, a.groups, first, a.channel_scale, a.channels, a.col_amax, a.channels, walk_s);
+  ExpertWalk walk(a.offsets, a.channel_scale, a.channels, a.col_amax, a.channels, walk_s);
   const int vecs = a.channels / 8;
   for (int64_t row = first; row < last; ++row) {
     const float* channel_scale = walk.enter(row);
@@ -49,7 +49,7 @@ void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count,
   if (smem > 48 * 1024) {  // up to 64 KiB (kMaxRowChannels of each)
     MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(quantise_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   }
-  quantise_rows_kernel<<<resident_blocks(quantise_rows_kernel, kRowThreads, smem, sm_count, rows), kRowThreads, smem, stream>>>(a);
+  quantise_rows_kernel<<<row_blocks(rows, sm_count), kRowThreads, smem, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_quantise_rows");
 }
 

@@ -3,7 +3,6 @@
 
 #include <cuda_bf16.h>
 
-#include "common/launch.h"
 #include "common/vec.cuh"
 #include "experts/experts.h"
 
@@ -15,31 +14,19 @@ namespace moe_comm {
 __device__ __forceinline__ int64_t rows_used(const int32_t* offsets, int groups) { return offsets[groups - 1]; }
 
 // The rows [first, last) a block of a row kernel takes: a contiguous share of the rows used, so
-// that a block walks each expert's rows in order (ExpertWalk) and reuses what it keeps per
-// expert. The grid is one wave (resident_blocks): with four waves of blocks that each walked 32
-// rows, the gate's backward ran at 0.71 ms where one row per block in turn took 0.43 (the
-// flagship rank's rows, run 35).
+// that a block walks each expert's rows in order (ExpertWalk) and reuses what it keeps per expert.
 __device__ __forceinline__ void block_rows(int64_t rows, int64_t& first, int64_t& last) {
   const int64_t per = (rows + gridDim.x - 1) / gridDim.x;
   first = min(rows, (int64_t)blockIdx.x * per);
   last = min(rows, first + per);
 }
 
-// The expert of each row as a block walks its rows in increasing order from `first` (rows below
-// offsets[groups - 1]): found once by bisection, then followed.
+// The expert of each row as a block walks its rows in increasing order (rows below offsets[groups - 1]).
 struct GroupCursor {
   const int32_t* offsets;
-  int group;
+  int group = 0;
   int64_t end;
-  __device__ __forceinline__ GroupCursor(const int32_t* o, int groups, int64_t first) : offsets(o) {
-    int lo = 0, hi = groups - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (o[mid] > first) hi = mid; else lo = mid + 1;
-    }
-    group = lo;
-    end = o[lo];
-  }
+  __device__ __forceinline__ explicit GroupCursor(const int32_t* o) : offsets(o), end(o[0]) {}
   __device__ __forceinline__ int at(int64_t row) {
     while (row >= end) end = offsets[++group];
     return group;
@@ -72,9 +59,9 @@ struct ExpertWalk {
   static size_t smem_bytes(const float* scales, int scale_channels, const float* amax, int amax_channels) {
     return ((scales ? scale_channels : 0) + (amax ? amax_channels : 0)) * sizeof(float);
   }
-  __device__ __forceinline__ ExpertWalk(const int32_t* offsets, int groups, int64_t first, const float* scales,
-                                        int scale_c, float* amax, int amax_c, float4* smem)
-      : experts(offsets, groups, first), scale_src(scales), scale_channels(scale_c), scales_s(smem), col_amax(amax),
+  __device__ __forceinline__ ExpertWalk(const int32_t* offsets, const float* scales, int scale_c, float* amax,
+                                        int amax_c, float4* smem)
+      : experts(offsets), scale_src(scales), scale_channels(scale_c), scales_s(smem), col_amax(amax),
         amax_channels(amax_c), col_amax_s(reinterpret_cast<float*>(smem) + (scales ? scale_c : 0)) {
     if (col_amax != nullptr) {
       for (int i = threadIdx.x; i < amax_channels; i += blockDim.x) col_amax_s[i] = 0.f;
@@ -145,16 +132,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 #pragma unroll
   for (int w = 0; w < kThreads / kWarpSize; ++w) m = fmaxf(m, scratch[w]);
   return m;
-}
-
-// A kernel's blocks that fit on the GPU at once (the grid of a row kernel that walks contiguous
-// rows: block_rows), at most one per row.
-template <typename Kernel>
-inline int resident_blocks(Kernel kernel, int threads, size_t smem, int sm_count, int64_t rows) {
-  int per_sm = 0;
-  MOE_COMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  const int64_t most = (int64_t)(per_sm > 0 ? per_sm : 1) * sm_count;
-  return (int)(rows < most ? (rows > 0 ? rows : 1) : most);
 }
 
 // Grid of a row kernel: a block per row, at most as many as fit on the GPU at once (blocks of
