@@ -39,12 +39,13 @@ struct GroupCursor {
 // kernel writes for the weight gradients (where asked), merged into col_amax ([groups,
 // amax_channels], zeroed by the caller; non-negative floats order as their bits do) when it
 // leaves it: the amax of the fp32 values rounded to bf16, which is the amax of the rounded
-// values (rounding is monotonic). Each
-// thread updates only its own channels, so the shared arrays need no atomics. Read straight
-// from global memory per row, the scales cost more than the rows (fp32 scales against bf16 rows)
-// and the rows' stream evicted them from L1 (the one-GPU recipe's dy and dh13 kernels: +1.9 ms a
-// step, run 35); the columns' amax taken here spares the weight gradients' operands a pass over
-// the rows (group_columns.cu).
+// values (rounding is monotonic). Each thread updates only its own channels, so the shared
+// arrays need no atomics. The amax taken here spares the weight gradients' operands a pass over
+// the rows (group_columns.cu: 1.31 -> 0.91 ms at the flagship rank's rows, run 36), but the walk
+// over contiguous rows made the two kernels that take it slower than one row per block in turn
+// (the gate's backward 0.43 -> 0.71 ms with the scales read from global memory, run 35, 0.91 with
+// the amax, run 36; dy's 0.43 -> 0.48): a net loss of 0.1 ms there, not understood yet
+// (results/h200x1/README.md, thirteenth session).
 struct ExpertWalk {
   GroupCursor experts;
   const float* scale_src;  // null: nothing to fold; else [groups, scale_channels]

@@ -4,6 +4,8 @@
 # kernels' GPU tests; the layer bench's experts parts; then the one-GPU recipe on real text
 # (assets/real), 300 steps, same seed: nvshmem bf16 (the reference), nvshmem with FP8 experts +
 # FP8 dispatch, nccl bf16.
+# Outcome: the machine was taken back during this call; no output came back (results/h200x1/README.md,
+# thirteenth session), and the tree it ran (cb2ab85) was reverted to run 36's kernels by 83413c0.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
