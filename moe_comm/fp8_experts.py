@@ -44,7 +44,8 @@ coarser scales (one per channel over all of an expert's rows), the recipe torcha
 GEMMs use too. x needs no second quantisation: dW1 = dh1^T diag(s_x) x_q, so x's row scales go
 into dh13's bf16 copy (the gate's backward writes it so) and x's codes are transposed as they are.
 `wgrad_fp8=False` (bf16 weight gradients from the same operands: x's codes, dh13 with x's scales)
-stays for the layer benchmark's comparison of the two. Every gradient leaves in bf16: the routing and combine around the experts stay bf16.
+stays for the layer benchmark's comparison of the two. Every gradient leaves in bf16: the routing
+and combine around the experts stay bf16.
 
 Rows are expert-major and padded as dispatch lays them out: expert e's rows end at
 cumsum(tokens_per_expert)[e], each segment a multiple of ROW_ALIGN (the FP8 GEMMs' 16-byte

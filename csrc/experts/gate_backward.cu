@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBa
 void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
   const size_t smem = ExpertWalk::smem_bytes(a.channel_scale, 2 * a.inter, a.col_amax, 3 * a.inter);
   if (smem > 48 * 1024) {  // up to 160 KiB (inter 8192)
-    MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(gate_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    MOE_COMM_CUDA_CHECK(
+        cudaFuncSetAttribute(gate_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   }
   gate_backward_kernel<<<row_blocks(rows, sm_count), kRowThreads, smem, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_gate_backward");

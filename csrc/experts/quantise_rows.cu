@@ -47,7 +47,8 @@ __global__ void __launch_bounds__(kRowThreads) quantise_rows_kernel(const Quanti
 void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
   const size_t smem = ExpertWalk::smem_bytes(a.channel_scale, a.channels, a.col_amax, a.channels);
   if (smem > 48 * 1024) {  // up to 64 KiB (kMaxRowChannels of each)
-    MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(quantise_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    MOE_COMM_CUDA_CHECK(
+        cudaFuncSetAttribute(quantise_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   }
   quantise_rows_kernel<<<row_blocks(rows, sm_count), kRowThreads, smem, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_quantise_rows");

@@ -88,8 +88,10 @@ struct ExpertWalk {
     if (col_amax == nullptr) return;
     float4* m = reinterpret_cast<float4*>(col_amax_s + c);
     float4 lo = m[0], hi = m[1];
-    lo.x = fmaxf(lo.x, fabsf(f[0])), lo.y = fmaxf(lo.y, fabsf(f[1])), lo.z = fmaxf(lo.z, fabsf(f[2])), lo.w = fmaxf(lo.w, fabsf(f[3]));
-    hi.x = fmaxf(hi.x, fabsf(f[4])), hi.y = fmaxf(hi.y, fabsf(f[5])), hi.z = fmaxf(hi.z, fabsf(f[6])), hi.w = fmaxf(hi.w, fabsf(f[7]));
+    lo.x = fmaxf(lo.x, fabsf(f[0])), lo.y = fmaxf(lo.y, fabsf(f[1]));
+    lo.z = fmaxf(lo.z, fabsf(f[2])), lo.w = fmaxf(lo.w, fabsf(f[3]));
+    hi.x = fmaxf(hi.x, fabsf(f[4])), hi.y = fmaxf(hi.y, fabsf(f[5]));
+    hi.z = fmaxf(hi.z, fabsf(f[6])), hi.w = fmaxf(hi.w, fabsf(f[7]));
     m[0] = lo, m[1] = hi;
   }
   // After the block's last row.

@@ -29,7 +29,8 @@ TORCH_LIBRARY(moe_comm, m) {
       "Tensor net_route, Tensor recv_info, Tensor slot_rows, Tensor slot_w, Tensor slot_origin, bool fp8, "
       "int num_sms, int network_sms) -> (Tensor grad_y, Tensor grad_w)");
   // The FP8 experts' kernels (experts/ops.cpp). offsets: the grouped GEMM's int32 segment ends.
-  m.def("fp8_quantise_rows(Tensor x, Tensor offsets, Tensor? channel_scale) -> (Tensor q, Tensor scale, Tensor col_amax)");
+  m.def("fp8_quantise_rows(Tensor x, Tensor offsets, Tensor? channel_scale) -> "
+        "(Tensor q, Tensor scale, Tensor col_amax)");
   m.def("fp8_gate(Tensor h13, Tensor offsets) -> (Tensor q, Tensor scale)");
   m.def("fp8_gate_backward(Tensor h13, Tensor grad_h, Tensor offsets, Tensor? channel_scale, Tensor? row_scale) -> "
         "(Tensor q, Tensor scale, Tensor grad_h13, Tensor h, Tensor col_amax)");
