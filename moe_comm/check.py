@@ -135,6 +135,10 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
     converters = c.model.converters
     align = GROUPED_GEMM_ALIGNMENT["mxfp8" if "quantize.grouped_mm.mx" in converters
                                    else "fp8" if "quantize.grouped_mm.float8" in converters else "bf16"]
+    if mc.expert_dtype == "fp8":  # as the backend lays the FP8 experts' rows out (NvshmemBackend)
+        from moe_comm import fp8_experts
+
+        align = max(align, fp8_experts.ROW_ALIGN)
     m = args.moe_args
     row = args.dim * (4 if t.mixed_precision_param == "float32" else 2)
     s = capacity.buffer_sizes(tokens, m.num_experts, m.top_k, row, lay.ep, per_node, mc.recv_capacity_factor)

@@ -164,6 +164,26 @@ def test_check_cli_on_flagship_with_nvshmem_prints_its_buffers(capsys, monkeypat
     assert "<- this recipe" in out.split("\n  nvshmem ")[1].splitlines()[0]
 
 
+def test_check_counts_the_fp8_experts_row_alignment(capsys, monkeypatch):
+    """The expert rows `check` prints are the backend's: with expert_dtype = "fp8" each expert's
+    segment is padded to fp8_experts.ROW_ALIGN (16), not the bf16 grouped GEMM's 8."""
+    import re
+
+    from moe_comm import fp8_experts
+    from moe_comm.kernels import capacity
+
+    monkeypatch.chdir(REPO)
+
+    def expert_rows(*overrides):
+        assert main(["check", "recipes/deepseek_v3_671b_h200x1.toml", "--skip-files", *overrides]) == 0
+        return int(re.search(r"([\d,]+) expert rows", capsys.readouterr().out).group(1).replace(",", ""))
+
+    bf16, fp8 = expert_rows(), expert_rows("--moe_comm.expert_dtype", "fp8", "--moe_comm.dispatch_dtype", "fp8")
+    tokens, experts, top_k = 2 * 4096, 32, 8
+    assert bf16 == capacity.expert_rows(tokens, experts, top_k, 1, 1.25, 8)
+    assert fp8 == capacity.expert_rows(tokens, experts, top_k, 1, 1.25, fp8_experts.ROW_ALIGN) == bf16 + experts * 8
+
+
 def _flagship_layout(pp: int = 8) -> Layout:
     return Layout(256, 32, 8, 1, 256 // pp, 1, 1, pp, 32, 1)
 
