@@ -125,6 +125,7 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
     c = r.config
     if not backend_class(c.moe_comm.backend).symmetric_heap:
         return []
+    from moe_comm import fp8_experts
     from moe_comm.predict.routing_plan import GROUPED_GEMM_ALIGNMENT
     from moe_comm.predict.scale_model import workload_from_recipe
 
@@ -133,12 +134,10 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
     per_node = w.ranks_per_node
     tokens = mc.max_tokens_per_rank or w.tokens_per_call
     converters = c.model.converters
-    align = GROUPED_GEMM_ALIGNMENT["mxfp8" if "quantize.grouped_mm.mx" in converters
-                                   else "fp8" if "quantize.grouped_mm.float8" in converters else "bf16"]
-    if mc.expert_dtype == "fp8":  # as the backend lays the FP8 experts' rows out (NvshmemBackend)
-        from moe_comm import fp8_experts
-
-        align = max(align, fp8_experts.ROW_ALIGN)
+    align = fp8_experts.rows_alignment(
+        GROUPED_GEMM_ALIGNMENT["mxfp8" if "quantize.grouped_mm.mx" in converters
+                               else "fp8" if "quantize.grouped_mm.float8" in converters else "bf16"],
+        mc.expert_dtype)
     m = args.moe_args
     row = args.dim * (4 if t.mixed_precision_param == "float32" else 2)
     s = capacity.buffer_sizes(tokens, m.num_experts, m.top_k, row, lay.ep, per_node, mc.recv_capacity_factor)

@@ -85,6 +85,13 @@ class Fp8Rows:
         self.scale_R = scale_R
 
 
+def rows_alignment(grouped_gemm_align: int, expert_dtype: str) -> int:
+    """The per-expert row alignment dispatch lays the experts' rows out with: the grouped GEMM's
+    (TorchTitan's, by converter), and for the FP8 experts at least ROW_ALIGN. NvshmemBackend lays
+    them out so, and `check` counts them so."""
+    return max(grouped_gemm_align, ROW_ALIGN) if expert_dtype == "fp8" else grouped_gemm_align
+
+
 def check_run(run) -> list[str]:
     """Where FP8 experts cannot run, a RecipeError naming the field and the fix; what could not
     be verified before launch, as notes. `run` is a moe_comm.backends.RunPlan whose backend
@@ -324,7 +331,7 @@ class _Fp8Experts(torch.autograd.Function):
                 h_t, h_t_scale = fp8.group_columns(h, h_dh13_amax[:, :inter], offsets)  # [I, R']
                 dh13_t, dh13_t_scale = fp8.group_columns(dh13, h_dh13_amax[:, inter:], offsets, 2)  # [2I, R']
                 x_t = fp8.transpose_rows(x_q, offsets)  # [D, R'], x's codes: its row scales are in dh13
-                x_t_scale = torch.ones(x_t.shape[0] * len(offsets), dtype=torch.float32, device=x_t.device)
+                x_t_scale = ones(len(offsets), x_t.shape[0]).view(-1)
                 _mark(marks, "wgrad_operands")
                 dw2 = fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets)
                 dw1 = fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale, offsets)

@@ -292,7 +292,7 @@ class NvshmemBackend(CommBackend):
                 f"{self.config.max_tokens_per_rank} allows per call (overlap = {self.config.overlap!r})"
             )
         fp8_rows = self.config.expert_dtype == "fp8"
-        align = max(token_group_alignment(), fp8_experts.ROW_ALIGN) if fp8_rows else token_group_alignment()
+        align = fp8_experts.rows_alignment(token_group_alignment(), self.config.expert_dtype)
         self.capacity = capacity.expert_rows(sizes.tokens, self.layer.num_experts, self.layer.top_k, self.ep_size,
                                              self.config.recv_capacity_factor, align)
         if fp8_rows:  # so that even segments clamped at an overflow keep the FP8 GEMMs' 16-row rule
