@@ -30,6 +30,7 @@ from moe_comm.kernels import fp8_reference as ref  # noqa: E402
 
 DEVICE = torch.device("cuda", 0)
 EXPERTS, HIDDEN, INTER = 8, 7168, 2048
+ROW_WIDTHS = (HIDDEN, 3072, 400)
 # Relative L2 of the FP8 experts' output and each gradient against the bf16 experts. Each e4m3
 # operand carries up to 6.25% rounding error (3 mantissa bits), about 2-3% RMS once scaled to
 # its row's or channel's amax, and every result passes two or three such roundings (x or dy,
@@ -100,12 +101,17 @@ def test_rows_and_weights_quantise_bit_for_bit():
     offsets = offsets_of(counts)
     # dgrad's rows: each times its expert's weight row scales first (an expert with no rows
     # between), or as they are; and the rows' (expert, channel) amax
-    channel_scale = torch.rand(len(counts), HIDDEN, device=DEVICE) * 1e-3 + 1e-5
-    for cs, what in ((None, "rows"), (channel_scale, "rows with the weights' scales folded in")):
-        q, scale, col_amax = fp8.quantise_grad_rows(x, offsets, cs)
-        want_q, want_scale, want_amax = ref.quantise_grad_rows(x[:total], offsets, cs)
-        assert_same_codes(q[:total], scale[:total], want_q, want_scale, what)
-        assert torch.equal(col_amax, want_amax), what
+    # at each block size the row kernels take (csrc/experts/rows.cuh, with_row_threads): 7168
+    # channels in blocks of 256 threads, 3072 in blocks of 128, 400 in blocks of 64
+    for width in ROW_WIDTHS:
+        xw = x[:, :width].contiguous()
+        channel_scale = torch.rand(len(counts), width, device=DEVICE) * 1e-3 + 1e-5
+        for cs, what in ((None, "rows"), (channel_scale, "rows with the weights' scales folded in")):
+            what = f"{what}, {width} channels"
+            q, scale, col_amax = fp8.quantise_grad_rows(xw, offsets, cs)
+            want_q, want_scale, want_amax = ref.quantise_grad_rows(xw[:total], offsets, cs)
+            assert_same_codes(q[:total], scale[:total], want_q, want_scale, what)
+            assert torch.equal(col_amax, want_amax), what
 
     for dtype in (torch.bfloat16, torch.float32):
         w1, w3 = bf16(4, INTER, HIDDEN, scale=0.02, seed=2).to(dtype), bf16(4, INTER, HIDDEN, scale=0.02, seed=3).to(dtype)
@@ -141,12 +147,15 @@ def test_group_columns_bit_for_bit():
     assert got.shape == want.shape and torch.equal(codes(got[:, :total]), codes(want[:, :total])), "rows transposed"
 
 
-def test_gate_and_its_backward_to_rounding():
+@pytest.mark.parametrize("inter", [INTER, 3072, 400])
+def test_gate_and_its_backward_to_rounding(inter):
+    """At each block size the row kernels take: inter 2048 and 400 in blocks of 64 threads, 3072
+    in blocks of 128 (whose folded scales and amax need more than 48 KiB of shared memory)."""
     counts = [256, 0, 736]
     total = sum(counts)
     offsets = offsets_of(counts)
-    h13 = bf16(total, 2 * INTER, scale=2.0, seed=7)
-    dh = bf16(total, INTER, scale=1e-5, seed=8)
+    h13 = bf16(total, 2 * inter, scale=2.0, seed=7)
+    dh = bf16(total, inter, scale=1e-5, seed=8)
 
     def close_codes(got_q, got_s, want_q, want_s):
         assert torch.allclose(got_s, want_s, rtol=1e-5, atol=0)
@@ -156,7 +165,7 @@ def test_gate_and_its_backward_to_rounding():
         assert torch.allclose(got, want, rtol=2 ** -3, atol=want_s.max().item() * 2 ** -9)
 
     close_codes(*fp8.gate(h13, offsets), *ref.gate(h13))
-    channel_scale = torch.rand(len(counts), 2 * INTER, device=DEVICE) * 1e-2 + 1e-4
+    channel_scale = torch.rand(len(counts), 2 * inter, device=DEVICE) * 1e-2 + 1e-4
     row_scale = torch.rand(total, device=DEVICE) * 1e-2
     # dgrad's folded weight scales and the input rows' scales, or neither
     for cs, rs in ((None, None), (channel_scale, row_scale)):

@@ -15,7 +15,7 @@
 
 namespace moe_comm {
 
-// Row kernels: one block of kRowThreads per row, each thread holding up to kRowVecs vectors of
+// Row kernels: one block of at most kRowThreads per row, each thread holding up to kRowVecs vectors of
 // 8 channels in registers, so a row is read once and its amax is a block reduction.
 constexpr int kRowThreads = 256;
 constexpr int kRowVecs = 4;

@@ -8,8 +8,9 @@
 
 namespace moe_comm {
 
-__global__ void __launch_bounds__(kRowThreads) gate_kernel(const GateArgs a) {
-  __shared__ float scratch[kRowThreads / kWarpSize];
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) gate_kernel(const GateArgs a) {
+  __shared__ float scratch[kThreads / kWarpSize];
   const int64_t rows = rows_used(a.offsets, a.groups);
   const int vecs = a.inter / 8;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -19,7 +20,7 @@ __global__ void __launch_bounds__(kRowThreads) gate_kernel(const GateArgs a) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
-      const int v = threadIdx.x + i * kRowThreads;
+      const int v = threadIdx.x + i * kThreads;
       if (v < vecs) {
         float up[8];
         bf16x8_to_floats(h1[v], h[i]);
@@ -29,11 +30,11 @@ __global__ void __launch_bounds__(kRowThreads) gate_kernel(const GateArgs a) {
         amax = fmaxf(amax, amax8(h[i]));
       }
     }
-    const float scale = fp8_scale(block_max(amax, scratch), kFp8MinAmaxSmall);
+    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.inter);
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
-      const int v = threadIdx.x + i * kRowThreads;
+      const int v = threadIdx.x + i * kThreads;
       if (v < vecs) q[v] = fp8_quantise_floats8(h[i], scale);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
@@ -41,7 +42,10 @@ __global__ void __launch_bounds__(kRowThreads) gate_kernel(const GateArgs a) {
 }
 
 void launch_gate(const GateArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
-  gate_kernel<<<row_blocks(rows, sm_count), kRowThreads, 0, stream>>>(a);
+  with_row_threads(a.inter / 8, [&](auto threads) {
+    constexpr int kThreads = decltype(threads)::value;
+    gate_kernel<kThreads><<<row_blocks<kThreads>(rows, sm_count), kThreads, 0, stream>>>(a);
+  });
   MOE_COMM_CHECK_LAUNCH("fp8_gate");
 }
 

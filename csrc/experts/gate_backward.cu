@@ -14,15 +14,16 @@
 
 namespace moe_comm {
 
-__global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBackwardArgs a) {
-  __shared__ float scratch[kRowThreads / kWarpSize];
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) gate_backward_kernel(const GateBackwardArgs a) {
+  __shared__ float scratch[kThreads / kWarpSize];
   extern __shared__ float4 walk_s[];
   int64_t first, last;
   block_rows(rows_used(a.offsets, a.groups), first, last);
   ExpertWalk walk(a.offsets, a.channel_scale, 2 * a.inter, a.col_amax, 3 * a.inter, walk_s);
   const int vecs = a.inter / 8;
   for (int64_t row = first; row < last; ++row) {
-    const float* channel_scale = walk.enter(row);
+    const VecSplit* channel_scale = walk.enter(row);
     const float row_scale = a.row_scale ? a.row_scale[row] : 1.f;
     const uint4* h1 = static_cast<const uint4*>(a.h13) + row * 2 * vecs;
     const uint4* h3 = h1 + vecs;
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBa
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
-      const int v = threadIdx.x + i * kRowThreads;
+      const int v = threadIdx.x + i * kThreads;
       if (v < vecs) {
         float gate[8], up[8], grad[8], h[8];
         bf16x8_to_floats(h1[v], gate);
@@ -54,20 +55,20 @@ __global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBa
         out_dh1[v] = floats_to_bf16x8(w1);
         out_dh3[v] = floats_to_bf16x8(w3);
         out_h[v] = floats_to_bf16x8(h);
-        walk.take8(h, 8 * v);
-        walk.take8(w1, a.inter + 8 * v);
-        walk.take8(w3, 2 * a.inter + 8 * v);
-        scale8(d1[i], channel_scale, 8 * v);
-        scale8(d3[i], channel_scale, a.inter + 8 * v);
+        walk.take8(h, v);
+        walk.take8(w1, vecs + v);
+        walk.take8(w3, 2 * vecs + v);
+        scale8(d1[i], channel_scale, v);
+        scale8(d3[i], channel_scale, vecs + v);
         amax = fmaxf(amax, fmaxf(amax8(d1[i]), amax8(d3[i])));
       }
     }
-    const float scale = fp8_scale(block_max(amax, scratch), kFp8MinAmaxSmall);
+    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
     uint2* q1 = reinterpret_cast<uint2*>(a.q + row * 2 * a.inter);
     uint2* q3 = q1 + vecs;
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
-      const int v = threadIdx.x + i * kRowThreads;
+      const int v = threadIdx.x + i * kThreads;
       if (v < vecs) {
         q1[v] = fp8_quantise_floats8(d1[i], scale);
         q3[v] = fp8_quantise_floats8(d3[i], scale);
@@ -79,12 +80,12 @@ __global__ void __launch_bounds__(kRowThreads) gate_backward_kernel(const GateBa
 }
 
 void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
-  const size_t smem = ExpertWalk::smem_bytes(a.channel_scale, 2 * a.inter, a.col_amax, 3 * a.inter);
-  if (smem > 48 * 1024) {  // up to 160 KiB (inter 8192)
-    MOE_COMM_CUDA_CHECK(
-        cudaFuncSetAttribute(gate_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  }
-  gate_backward_kernel<<<row_blocks(rows, sm_count), kRowThreads, smem, stream>>>(a);
+  const size_t smem = ExpertWalk::smem_bytes(a.channel_scale, 2 * a.inter, a.col_amax, 3 * a.inter);  // <= 160 KiB
+  with_row_threads(a.inter / 8, [&](auto threads) {
+    constexpr int kThreads = decltype(threads)::value;
+    const int blocks = walk_blocks(gate_backward_kernel<kThreads>, kThreads, smem, rows, sm_count);
+    gate_backward_kernel<kThreads><<<blocks, kThreads, smem, stream>>>(a);
+  });
   MOE_COMM_CHECK_LAUNCH("fp8_gate_backward");
 }
 

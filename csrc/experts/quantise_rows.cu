@@ -10,33 +10,34 @@
 
 namespace moe_comm {
 
-__global__ void __launch_bounds__(kRowThreads) quantise_rows_kernel(const QuantiseRowsArgs a) {
-  __shared__ float scratch[kRowThreads / kWarpSize];
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) quantise_rows_kernel(const QuantiseRowsArgs a) {
+  __shared__ float scratch[kThreads / kWarpSize];
   extern __shared__ float4 walk_s[];
   int64_t first, last;
   block_rows(rows_used(a.offsets, a.groups), first, last);
   ExpertWalk walk(a.offsets, a.channel_scale, a.channels, a.col_amax, a.channels, walk_s);
   const int vecs = a.channels / 8;
   for (int64_t row = first; row < last; ++row) {
-    const float* channel_scale = walk.enter(row);
+    const VecSplit* channel_scale = walk.enter(row);
     const uint4* x = static_cast<const uint4*>(a.x) + row * vecs;
     float f[kRowVecs][8];
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
-      const int v = threadIdx.x + i * kRowThreads;
+      const int v = threadIdx.x + i * kThreads;
       if (v < vecs) {
         bf16x8_to_floats(x[v], f[i]);
-        walk.take8(f[i], 8 * v);
-        scale8(f[i], channel_scale, 8 * v);
+        walk.take8(f[i], v);
+        scale8(f[i], channel_scale, v);
         amax = fmaxf(amax, amax8(f[i]));
       }
     }
-    const float scale = fp8_scale(block_max(amax, scratch), kFp8MinAmaxSmall);
+    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.channels);
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
-      const int v = threadIdx.x + i * kRowThreads;
+      const int v = threadIdx.x + i * kThreads;
       if (v < vecs) q[v] = fp8_quantise_floats8(f[i], scale);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
@@ -46,11 +47,11 @@ __global__ void __launch_bounds__(kRowThreads) quantise_rows_kernel(const Quanti
 
 void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
   const size_t smem = ExpertWalk::smem_bytes(a.channel_scale, a.channels, a.col_amax, a.channels);
-  if (smem > 48 * 1024) {  // up to 64 KiB (kMaxRowChannels of each)
-    MOE_COMM_CUDA_CHECK(
-        cudaFuncSetAttribute(quantise_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  }
-  quantise_rows_kernel<<<row_blocks(rows, sm_count), kRowThreads, smem, stream>>>(a);
+  with_row_threads(a.channels / 8, [&](auto threads) {
+    constexpr int kThreads = decltype(threads)::value;
+    const int blocks = walk_blocks(quantise_rows_kernel<kThreads>, kThreads, smem, rows, sm_count);
+    quantise_rows_kernel<kThreads><<<blocks, kThreads, smem, stream>>>(a);
+  });
   MOE_COMM_CHECK_LAUNCH("fp8_quantise_rows");
 }
 

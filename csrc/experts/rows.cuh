@@ -3,6 +3,9 @@
 
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
+#include "common/launch.h"
 #include "common/vec.cuh"
 #include "experts/experts.h"
 
@@ -15,6 +18,7 @@ __device__ __forceinline__ int64_t rows_used(const int32_t* offsets, int groups)
 
 // The rows [first, last) a block of a row kernel takes: a contiguous share of the rows used, so
 // that a block walks each expert's rows in order (ExpertWalk) and reuses what it keeps per expert.
+// The grid is one wave of resident blocks (walk_blocks), so every share runs at once.
 __device__ __forceinline__ void block_rows(int64_t rows, int64_t& first, int64_t& last) {
   const int64_t per = (rows + gridDim.x - 1) / gridDim.x;
   first = min(rows, (int64_t)blockIdx.x * per);
@@ -33,6 +37,20 @@ struct GroupCursor {
   }
 };
 
+// A per-channel float array in shared memory, laid out for the row kernels' access: thread t
+// handles the 8 channels of vector v = t + i * threads, so the array keeps channels 8v..8v+3 at
+// float4 v and 8v+4..8v+7 at float4 vecs + v. A warp's 16-byte loads then fall on consecutive
+// float4s (one wavefront per quarter-warp); stored channel by channel, a thread's two float4s
+// sit 32 bytes apart from its neighbour's and every load took two.
+struct VecSplit {
+  float4* base;
+  int vecs;
+  __device__ __forceinline__ float4& lo(int v) const { return base[v]; }
+  __device__ __forceinline__ float4& hi(int v) const { return base[vecs + v]; }
+  // Where channel c lives, as a float index.
+  __device__ __forceinline__ int at(int c) const { return ((c % 8) / 4 * vecs + c / 8) * 4 + c % 4; }
+};
+
 // A row kernel's walk over its rows, expert by expert, with what it keeps per expert in shared
 // memory: the channel scales folded into the rows (where given; [groups, channels] in global
 // memory), loaded when the walk enters an expert, and the columns' amax of the bf16 rows the
@@ -41,19 +59,16 @@ struct GroupCursor {
 // leaves it: the amax of the fp32 values rounded to bf16, which is the amax of the rounded
 // values (rounding is monotonic). Each thread updates only its own channels, so the shared
 // arrays need no atomics. The amax taken here spares the weight gradients' operands a pass over
-// the rows (group_columns.cu: 1.31 -> 0.91 ms at the flagship rank's rows, run 36), but the walk
-// over contiguous rows made the two kernels that take it slower than one row per block in turn
-// (the gate's backward 0.43 -> 0.71 ms with the scales read from global memory, run 35, 0.91 with
-// the amax, run 36; dy's 0.43 -> 0.48): a net loss of 0.1 ms there, not understood yet
-// (results/h200x1/README.md, thirteenth session).
+// the rows (group_columns.cu: 1.31 -> 0.91 ms at the flagship rank's rows, run 36). Read straight
+// from global memory per row instead, the scales cost more than the rows (fp32 against bf16) and
+// the rows' stream evicted them from L1.
 struct ExpertWalk {
   GroupCursor experts;
   const float* scale_src;  // null: nothing to fold; else [groups, scale_channels]
-  int scale_channels;
-  float4* scales_s;        // [scale_channels / 4]
+  VecSplit scales_s;       // scale_channels
   float* col_amax;         // null: no columns' amax; else [groups, amax_channels]
   int amax_channels;
-  float* col_amax_s;       // [amax_channels]
+  VecSplit col_amax_s;     // amax_channels
   int current = -1;
 
   // Shared memory: the scales (if any), then the columns' amax (if any).
@@ -62,37 +77,38 @@ struct ExpertWalk {
   }
   __device__ __forceinline__ ExpertWalk(const int32_t* offsets, const float* scales, int scale_c, float* amax,
                                         int amax_c, float4* smem)
-      : experts(offsets), scale_src(scales), scale_channels(scale_c), scales_s(smem), col_amax(amax),
-        amax_channels(amax_c), col_amax_s(reinterpret_cast<float*>(smem) + (scales ? scale_c : 0)) {
+      : experts(offsets), scale_src(scales), scales_s{smem, scale_c / 8}, col_amax(amax), amax_channels(amax_c),
+        col_amax_s{smem + (scales ? scale_c / 4 : 0), amax_c / 8} {
     if (col_amax != nullptr) {
-      for (int i = threadIdx.x; i < amax_channels; i += blockDim.x) col_amax_s[i] = 0.f;
+      for (int i = threadIdx.x; i < amax_channels / 4; i += blockDim.x) col_amax_s.base[i] = float4{0.f, 0.f, 0.f, 0.f};
     }
   }
   // Enter row's expert (every thread of the block, the same row): the scales to fold, or null.
-  __device__ __forceinline__ const float* enter(int64_t row) {
+  __device__ __forceinline__ const VecSplit* enter(int64_t row) {
     const int g = experts.at(row);
     if (g != current && (scale_src != nullptr || col_amax != nullptr)) {
       __syncthreads();  // the previous expert's readers and writers are done
       merge();
       if (scale_src != nullptr) {
-        const float4* from = reinterpret_cast<const float4*>(scale_src + (int64_t)g * scale_channels);
-        for (int i = threadIdx.x; i < scale_channels / 4; i += blockDim.x) scales_s[i] = from[i];
+        const float4* from = reinterpret_cast<const float4*>(scale_src + (int64_t)g * scales_s.vecs * 8);
+        for (int i = threadIdx.x; i < scales_s.vecs * 2; i += blockDim.x) {
+          (i % 2 ? scales_s.hi(i / 2) : scales_s.lo(i / 2)) = from[i];
+        }
       }
       __syncthreads();
     }
     current = g;
-    return scale_src != nullptr ? reinterpret_cast<const float*>(scales_s) : nullptr;
+    return scale_src != nullptr ? &scales_s : nullptr;
   }
-  // |f| into the columns' amax of channels c..c+8 (this thread's own).
-  __device__ __forceinline__ void take8(const float (&f)[8], int c) {
+  // |f| into the columns' amax of vector v (channels 8v..8v+8 of the amax array: this thread's own).
+  __device__ __forceinline__ void take8(const float (&f)[8], int v) {
     if (col_amax == nullptr) return;
-    float4* m = reinterpret_cast<float4*>(col_amax_s + c);
-    float4 lo = m[0], hi = m[1];
+    float4 lo = col_amax_s.lo(v), hi = col_amax_s.hi(v);
     lo.x = fmaxf(lo.x, fabsf(f[0])), lo.y = fmaxf(lo.y, fabsf(f[1]));
     lo.z = fmaxf(lo.z, fabsf(f[2])), lo.w = fmaxf(lo.w, fabsf(f[3]));
     hi.x = fmaxf(hi.x, fabsf(f[4])), hi.y = fmaxf(hi.y, fabsf(f[5]));
     hi.z = fmaxf(hi.z, fabsf(f[6])), hi.w = fmaxf(hi.w, fabsf(f[7]));
-    m[0] = lo, m[1] = hi;
+    col_amax_s.lo(v) = lo, col_amax_s.hi(v) = hi;
   }
   // After the block's last row.
   __device__ __forceinline__ void finish() {
@@ -105,26 +121,27 @@ struct ExpertWalk {
   __device__ __forceinline__ void merge() {
     if (col_amax == nullptr || current < 0) return;
     int* out = reinterpret_cast<int*>(col_amax + (int64_t)current * amax_channels);
-    for (int i = threadIdx.x; i < amax_channels; i += blockDim.x) {
-      const float m = __bfloat162float(__float2bfloat16(col_amax_s[i]));
-      if (m > 0.f) atomicMax(out + i, __float_as_int(m));
-      col_amax_s[i] = 0.f;
+    float* kept = reinterpret_cast<float*>(col_amax_s.base);
+    for (int c = threadIdx.x; c < amax_channels; c += blockDim.x) {
+      const int i = col_amax_s.at(c);
+      const float m = __bfloat162float(__float2bfloat16(kept[i]));
+      if (m > 0.f) atomicMax(out + c, __float_as_int(m));
+      kept[i] = 0.f;
     }
   }
 };
 
-// f *= scales[c..c+8) (a no-op for null: no scale to fold).
-__device__ __forceinline__ void scale8(float (&f)[8], const float* channel_scale, int64_t at) {
+// f *= the scales of vector v (a no-op for null: no scale to fold).
+__device__ __forceinline__ void scale8(float (&f)[8], const VecSplit* channel_scale, int v) {
   if (channel_scale == nullptr) return;
-  const float4* p = reinterpret_cast<const float4*>(channel_scale + at);
-  const float4 lo = p[0], hi = p[1];
+  const float4 lo = channel_scale->lo(v), hi = channel_scale->hi(v);
   f[0] *= lo.x, f[1] *= lo.y, f[2] *= lo.z, f[3] *= lo.w;
   f[4] *= hi.x, f[5] *= hi.y, f[6] *= hi.z, f[7] *= hi.w;
 }
 
 // Max of v over the block of kThreads, on every thread. `scratch`: kThreads / 32 floats of shared
 // memory, free again when this returns (the first barrier keeps a previous call's readers ahead).
-template <int kThreads = kRowThreads>
+template <int kThreads>
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   v = warp_max(v);
@@ -137,11 +154,46 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return m;
 }
 
-// Grid of a row kernel: a block per row, at most as many as fit on the GPU at once (blocks of
-// kRowThreads: eight per SM).
-inline int row_blocks(int64_t rows, int sm_count, int blocks_per_sm = 8) {
-  const int64_t most = (int64_t)sm_count * blocks_per_sm;
+// The most threads an SM holds (Hopper): resident blocks of a row kernel are bounded by it.
+constexpr int kThreadsPerSm = 2048;
+
+// Calls launch(std::integral_constant<int, kThreads>{}) with the smallest block of row-kernel
+// threads (64, 128 or kRowThreads) that holds a row of `vecs` 8-channel vectors at kRowVecs a
+// thread. Small blocks for narrow rows put more rows' loads in flight per SM: a thread keeps
+// kRowVecs vectors of each operand in registers either way, so a 2048-channel row in a block of
+// 256 threads left three quarters of those registers idle and, at 153 registers a thread, one
+// such block per SM (the gate's backward: 0.91 ms at the flagship rank's rows, run 36).
+template <typename Launch>
+void with_row_threads(int vecs, Launch&& launch) {
+  if (vecs <= 64 * kRowVecs) {
+    launch(std::integral_constant<int, 64>{});
+  } else if (vecs <= 128 * kRowVecs) {
+    launch(std::integral_constant<int, 128>{});
+  } else {
+    launch(std::integral_constant<int, kRowThreads>{});
+  }
+}
+
+// Grid of a row kernel that takes rows in turn (row = blockIdx.x, += gridDim.x): at most as many
+// blocks of kThreads as the SMs hold threads.
+template <int kThreads>
+int row_blocks(int64_t rows, int sm_count) {
+  const int64_t most = (int64_t)sm_count * (kThreadsPerSm / kThreads);
   return (int)(rows < most ? (rows > 0 ? rows : 1) : most);
+}
+
+// Grid of a row kernel that walks contiguous shares (block_rows): one wave of the blocks the GPU
+// holds at once with this kernel's registers and shared memory, at most one per row. More blocks
+// than fit would run in waves, each block's share in turn.
+template <typename Kernel>
+int walk_blocks(Kernel kernel, int threads, size_t smem, int64_t rows, int sm_count) {
+  if (smem > 48 * 1024) {
+    MOE_COMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  }
+  int per_sm = 0;
+  MOE_COMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  const int64_t wave = (int64_t)sm_count * (per_sm > 0 ? per_sm : 1);
+  return (int)(rows < wave ? (rows > 0 ? rows : 1) : wave);
 }
 
 // 8 consecutive values of a float or bf16 array, from element `index` (a multiple of 8).

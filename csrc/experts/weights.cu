@@ -49,25 +49,13 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(const WeightsArgs a) 
   }
 }
 
-// The most threads an SM holds (Hopper): resident blocks of kThreads are bounded by it.
-constexpr int kThreadsPerSm = 2048;
-
-template <int kThreads>
-void launch_weights_with(const WeightsArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
-  weights_kernel<kThreads><<<row_blocks(rows, sm_count, kThreadsPerSm / kThreads), kThreads, 0, stream>>>(a);
-}
-
 void launch_weights(const WeightsArgs& a, int sm_count, cudaStream_t stream) {
   const int64_t rows = (int64_t)a.experts * (a.rows_a + a.rows_b);
   if (rows == 0) return;
-  const int vecs = a.cols / 8;
-  if (vecs <= 64 * kRowVecs) {
-    launch_weights_with<64>(a, rows, sm_count, stream);
-  } else if (vecs <= 128 * kRowVecs) {
-    launch_weights_with<128>(a, rows, sm_count, stream);
-  } else {
-    launch_weights_with<kRowThreads>(a, rows, sm_count, stream);
-  }
+  with_row_threads(a.cols / 8, [&](auto threads) {
+    constexpr int kThreads = decltype(threads)::value;
+    weights_kernel<kThreads><<<row_blocks<kThreads>(rows, sm_count), kThreads, 0, stream>>>(a);
+  });
   MOE_COMM_CHECK_LAUNCH("fp8_weights");
 }
 
