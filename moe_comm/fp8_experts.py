@@ -48,8 +48,8 @@ stays for the layer benchmark's comparison of the two. Every gradient leaves in 
 and combine around the experts stay bf16.
 
 Rows are expert-major and padded as dispatch lays them out: expert e's rows end at
-cumsum(tokens_per_expert)[e], each segment a multiple of ROW_ALIGN (the FP8 GEMMs' 16-byte
-rule); rows past the last segment are never read.
+cumsum(tokens_per_expert)[e], each segment a multiple of ROW_ALIGN (the FP8 GEMMs' tile of
+rows); rows past the last segment are never read.
 """
 
 import contextlib
@@ -61,9 +61,12 @@ from moe_comm import gpus
 from moe_comm.errors import RecipeError
 from moe_comm.kernels import fp8
 
-# Rows per expert segment are padded to this: FP8 grouped GEMMs need each segment's start on 16
-# bytes of e4m3 (the token dimension is the contraction in wgrad).
-ROW_ALIGN = 16
+# Rows per expert segment are padded to this. FP8 grouped GEMMs need each segment's start on 16
+# bytes of e4m3 (the token dimension is the contraction in wgrad); 128, the GEMMs' tile of rows,
+# also keeps the token-grouped wgrad GEMM off partial tiles: at the flagship rank's node-limited
+# counts it took 2.89 ms padded to 16 and 2.29 padded to 128, as fast as at balanced counts, for
+# 1.5% more rows (results/h200x1/README.md, run 39).
+ROW_ALIGN = 128
 # The widest hidden size and expert inter dim the row kernels hold in registers
 # (csrc/experts/experts.h kMaxRowChannels).
 MAX_CHANNELS = 8192

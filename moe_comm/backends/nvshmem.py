@@ -295,7 +295,7 @@ class NvshmemBackend(CommBackend):
         align = fp8_experts.rows_alignment(token_group_alignment(), self.config.expert_dtype)
         self.capacity = capacity.expert_rows(sizes.tokens, self.layer.num_experts, self.layer.top_k, self.ep_size,
                                              self.config.recv_capacity_factor, align)
-        if fp8_rows:  # so that even segments clamped at an overflow keep the FP8 GEMMs' 16-row rule
+        if fp8_rows:  # so that even segments clamped at an overflow stay multiples of ROW_ALIGN
             self.capacity = -(-self.capacity // fp8_experts.ROW_ALIGN) * fp8_experts.ROW_ALIGN
         topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
         topk_w_TK = topk_w_TK.to(torch.float32).contiguous()

@@ -40,6 +40,7 @@ from oracles import (  # noqa: E402
     routing,
 )
 
+from moe_comm import fp8_experts  # noqa: E402
 from moe_comm.backends.base import MoELayerSpec  # noqa: E402
 from moe_comm.backends.nvshmem import NvshmemBackend  # noqa: E402
 from moe_comm.config import MoEComm  # noqa: E402
@@ -191,7 +192,7 @@ class Cases:
         """The FP8 experts' rows: e4m3 with one scale per row, in the expert-major layout, equal to
         the oracle's rowwise quantisation of each token bit for bit, whether the sender quantised
         them (an FP8 wire, one scale per row in every group) or the receiver's layout kernel did
-        (a bf16 wire); padding rows zero with scale 1; counts padded to 16."""
+        (a bf16 wire); padding rows zero with scale 1; counts padded to fp8_experts.ROW_ALIGN."""
         g = torch.Generator().manual_seed(seed * 100 + self.rank)
         x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
         x[::7] *= 1e-6  # rows below the activation floor (amax 1e-4) take the floor's scale on both sides
@@ -208,8 +209,8 @@ class Cases:
         node = self.rank // self.G
         sources = sorted(range(self.world), key=lambda s: (s % self.G, (s // self.G - node) % self.N))
         codes_s, scales_s, idxs = gather_cpu(codes), gather_cpu(scales[:, None]), gather_cpu(idx)
-        ref_codes, ref_counts = reference_layout(codes_s, idxs, self.rank, L, 16, sources)
-        ref_scales, _ = reference_layout(scales_s, idxs, self.rank, L, 16, sources)
+        ref_codes, ref_counts = reference_layout(codes_s, idxs, self.rank, L, fp8_experts.ROW_ALIGN, sources)
+        ref_scales, _ = reference_layout(scales_s, idxs, self.rank, L, fp8_experts.ROW_ALIGN, sources)
         counts = result.tokens_per_expert_L.cpu()
         assert torch.equal(counts, ref_counts), f"tokens_per_expert {counts.tolist()} != {ref_counts.tolist()}"
         assert result.recv_fp8 is not None and result.recv_fp8.data_RD.dtype == torch.float8_e4m3fn
