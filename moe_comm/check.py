@@ -134,14 +134,13 @@ def _nvshmem_buffer_lines(r: recipe.Recipe, args) -> list[str]:
     per_node = w.ranks_per_node
     tokens = mc.max_tokens_per_rank or w.tokens_per_call
     converters = c.model.converters
-    align = fp8_experts.rows_alignment(
-        GROUPED_GEMM_ALIGNMENT["mxfp8" if "quantize.grouped_mm.mx" in converters
-                               else "fp8" if "quantize.grouped_mm.float8" in converters else "bf16"],
-        mc.expert_dtype)
+    align = GROUPED_GEMM_ALIGNMENT["mxfp8" if "quantize.grouped_mm.mx" in converters
+                                   else "fp8" if "quantize.grouped_mm.float8" in converters else "bf16"]
     m = args.moe_args
     row = args.dim * (4 if t.mixed_precision_param == "float32" else 2)
     s = capacity.buffer_sizes(tokens, m.num_experts, m.top_k, row, lay.ep, per_node, mc.recv_capacity_factor)
-    rows = capacity.expert_rows(tokens, m.num_experts, m.top_k, lay.ep, mc.recv_capacity_factor, align)
+    rows = fp8_experts.expert_rows(tokens, m.num_experts, m.top_k, lay.ep, mc.recv_capacity_factor, align,
+                                   mc.expert_dtype)
     return [
         f"{c.moe_comm.backend:<11} {s.nodes} node(s) x {per_node} per EP group, {tokens} tokens per call; buffers per rank "
         f"(recv_capacity_factor {mc.recv_capacity_factor:g}): {per_node} x {s.fwd_slots:,} recv slots, "

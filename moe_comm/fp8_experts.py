@@ -59,7 +59,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from moe_comm import gpus
 from moe_comm.errors import RecipeError
-from moe_comm.kernels import fp8
+from moe_comm.kernels import capacity, fp8
 
 # Rows per expert segment are padded to this. FP8 grouped GEMMs need each segment's start on 16
 # bytes of e4m3 (the token dimension is the contraction in wgrad); 128, the GEMMs' tile of rows,
@@ -93,6 +93,17 @@ def rows_alignment(grouped_gemm_align: int, expert_dtype: str) -> int:
     (TorchTitan's, by converter), and for the FP8 experts at least ROW_ALIGN. NvshmemBackend lays
     them out so, and `check` counts them so."""
     return max(grouped_gemm_align, ROW_ALIGN) if expert_dtype == "fp8" else grouped_gemm_align
+
+
+def expert_rows(tokens: int, num_experts: int, top_k: int, ranks: int, factor: float, grouped_gemm_align: int,
+                expert_dtype: str) -> int:
+    """The rows one rank hands its experts (moe_comm.kernels.capacity.expert_rows at
+    `rows_alignment`), for the FP8 experts rounded up to a whole number of ROW_ALIGN so that even
+    segments clamped at an overflow stay multiples of it. NvshmemBackend sizes its capacity so, and
+    `check` prints it."""
+    rows = capacity.expert_rows(tokens, num_experts, top_k, ranks, factor,
+                                rows_alignment(grouped_gemm_align, expert_dtype))
+    return -(-rows // ROW_ALIGN) * ROW_ALIGN if expert_dtype == "fp8" else rows
 
 
 def check_run(run) -> list[str]:

@@ -166,7 +166,8 @@ def test_check_cli_on_flagship_with_nvshmem_prints_its_buffers(capsys, monkeypat
 
 def test_check_counts_the_fp8_experts_row_alignment(capsys, monkeypatch):
     """The expert rows `check` prints are the backend's: with expert_dtype = "fp8" each expert's
-    segment is padded to fp8_experts.ROW_ALIGN (128), not the bf16 grouped GEMM's 8."""
+    segment is padded to fp8_experts.ROW_ALIGN (128), not the bf16 grouped GEMM's 8, and the
+    capacity is a whole number of ROW_ALIGN (as NvshmemBackend sizes it: fp8_experts.expert_rows)."""
     import re
 
     from moe_comm import fp8_experts
@@ -181,7 +182,9 @@ def test_check_counts_the_fp8_experts_row_alignment(capsys, monkeypatch):
     bf16, fp8 = expert_rows(), expert_rows("--moe_comm.expert_dtype", "fp8", "--moe_comm.dispatch_dtype", "fp8")
     tokens, experts, top_k = 2 * 4096, 32, 8
     assert bf16 == capacity.expert_rows(tokens, experts, top_k, 1, 1.25, 8)
-    assert fp8 == capacity.expert_rows(tokens, experts, top_k, 1, 1.25, fp8_experts.ROW_ALIGN) == bf16 + experts * (fp8_experts.ROW_ALIGN - 8)
+    padded = capacity.expert_rows(tokens, experts, top_k, 1, 1.25, fp8_experts.ROW_ALIGN)
+    assert padded == bf16 + experts * (fp8_experts.ROW_ALIGN - 8)
+    assert fp8 == -(-padded // fp8_experts.ROW_ALIGN) * fp8_experts.ROW_ALIGN == 69_632
 
 
 def _flagship_layout(pp: int = 8) -> Layout:

@@ -35,7 +35,7 @@ from moe_comm.backends.base import (
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
 from moe_comm.fp8_experts import Fp8Rows
-from moe_comm.kernels import call_graphs, capacity, emulated_link
+from moe_comm.kernels import call_graphs, emulated_link
 from moe_comm.kernels.limits import LIMITS
 from moe_comm.kernels.runtime import NvshmemRuntime, RuntimeRequest, load_library
 from moe_comm.layout import RunPlan
@@ -293,10 +293,9 @@ class NvshmemBackend(CommBackend):
             )
         fp8_rows = self.config.expert_dtype == "fp8"
         align = fp8_experts.rows_alignment(token_group_alignment(), self.config.expert_dtype)
-        self.capacity = capacity.expert_rows(sizes.tokens, self.layer.num_experts, self.layer.top_k, self.ep_size,
-                                             self.config.recv_capacity_factor, align)
-        if fp8_rows:  # so that even segments clamped at an overflow stay multiples of ROW_ALIGN
-            self.capacity = -(-self.capacity // fp8_experts.ROW_ALIGN) * fp8_experts.ROW_ALIGN
+        self.capacity = fp8_experts.expert_rows(sizes.tokens, self.layer.num_experts, self.layer.top_k, self.ep_size,
+                                                self.config.recv_capacity_factor, token_group_alignment(),
+                                                self.config.expert_dtype)
         topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
         topk_w_TK = topk_w_TK.to(torch.float32).contiguous()
         args = (x_TD.contiguous(), topk_idx_TK, topk_w_TK, self.layer.num_experts, self.capacity, align,
