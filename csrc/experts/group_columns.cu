@@ -65,10 +65,7 @@ __global__ void __launch_bounds__(kRowThreads) group_columns_kernel(const GroupC
       const int rl = id / kColVecs, v = id % kColVecs;
       const int64_t r = r0 + rl;
       if (r >= end || c0 + 8 * v >= a.channels) continue;
-      const uint2 q = load_row8(a, r, c0 + 8 * v, scales + 8 * v);
-      const int at = tile_offset<kGroupPitch>(8 * v, rl);  // channel 8v + k's byte at at + k * kGroupPitch
-#pragma unroll
-      for (int k = 0; k < 8; ++k) tile[at + k * kGroupPitch] = (uint8_t)(((k < 4 ? q.x : q.y) >> (8 * (k % 4))) & 0xff);
+      put8_in_tile<kGroupPitch>(tile, 8 * v, rl, load_row8(a, r, c0 + 8 * v, scales + 8 * v));
     }
     __syncthreads();
 #pragma unroll

@@ -221,6 +221,15 @@ __device__ __forceinline__ int tile_offset(int ch, int r) {
   return ch * kPitch + ((r / 16) ^ (ch / 8 % kTransposeVecs)) * 16 + r % 16;
 }
 
+// Row r's 8 bytes of channels ch..ch+8 (in channel order: v.x's low byte first) into a transpose
+// tile, each at its channel's tile_offset.
+template <int kPitch>
+__device__ __forceinline__ void put8_in_tile(uint8_t* tile, int ch, int r, uint2 v) {
+  const int at = tile_offset<kPitch>(ch, r);  // channel ch + k's byte at at + k * kPitch
+#pragma unroll
+  for (int k = 0; k < 8; ++k) tile[at + k * kPitch] = (uint8_t)(((k < 4 ? v.x : v.y) >> (8 * (k % 4))) & 0xff);
+}
+
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 #endif  // __CUDACC__

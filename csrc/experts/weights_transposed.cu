@@ -31,9 +31,7 @@ __global__ void __launch_bounds__(kRowThreads) weights_transposed_kernel(const W
     const int n = n0 + r, c = c0 + 8 * cv;
     if (n >= a.rows || c >= a.cols) continue;
     const uint2 v = *reinterpret_cast<const uint2*>(a.q + ((int64_t)e * a.rows + n) * a.cols + c);
-    const int at = tile_offset<kTilePitch>(8 * cv, r);  // channel 8cv + k's byte at at + k * kTilePitch
-#pragma unroll
-    for (int k = 0; k < 8; ++k) tile[at + k * kTilePitch] = (uint8_t)(((k < 4 ? v.x : v.y) >> (8 * (k % 4))) & 0xff);
+    put8_in_tile<kTilePitch>(tile, 8 * cv, r, v);
   }
   __syncthreads();
   constexpr int kStores = kTileCols * kTileRows / 16 / kRowThreads;
