@@ -303,6 +303,7 @@ class _Fp8Experts(torch.autograd.Function):
             _mark(marks, "gemm_2")
         ctx.save_for_backward(x_q, x_scale, offsets, h13, w13_q, w13_scale, w2_q, w2_scale)
         ctx.wgrad_fp8, ctx.cache, ctx.marks, ctx.inter = wgrad_fp8, cache, marks, w1.shape[1]
+        ctx.weight_dtype = w1.dtype
         return y
 
     @staticmethod
@@ -357,6 +358,9 @@ class _Fp8Experts(torch.autograd.Function):
                 dw1 = fp8.grouped_mm(dh13[:, :inter].t(), x, offsets)
                 dw3 = fp8.grouped_mm(dh13[:, inter:].t(), x, offsets)
             _mark(marks, "wgrad_gemm")
+            if ctx.weight_dtype == torch.float32:  # fp32 parameters (world 1): widened here, not by autograd
+                dw1, dw2, dw3 = fp8.widen(dw1), fp8.widen(dw2), fp8.widen(dw3)
+                _mark(marks, "wgrad_fp32")
         return dx, dw1, dw2, dw3, None, None, None, None, None, None
 
 

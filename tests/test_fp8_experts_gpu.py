@@ -126,6 +126,18 @@ def test_rows_and_weights_quantise_bit_for_bit():
             assert torch.equal(codes(got_t), codes(ref.weights_transposed(want[0]))), f"weights transposed {dtype}"
 
 
+def test_weight_gradients_widen_bit_for_bit():
+    """fp8.widen (the weight gradients to fp32 parameters' dtype) is exactly torch's cast, for
+    every bf16 value: finite, subnormal, infinite, NaN, at a gradient's shape and a small one."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(DEVICE)
+    for x in (every, bf16(3, 40, 72, seed=11), bf16(32, 64, 7168, seed=12)):
+        got = fp8.widen(x)
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        assert torch.equal(got.view(torch.int32), x.float().view(torch.int32))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        fp8.widen(bf16(3, 5))
+
+
 def test_group_columns_bit_for_bit():
     counts = [48, 0, 320, 1024, 16]
     total = sum(counts)

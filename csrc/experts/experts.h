@@ -107,11 +107,21 @@ struct GroupColumnsArgs {
   float* scale;            // [halves, groups, channels / halves]
 };
 
+// The weight gradients (bf16, from the wgrad GEMMs) widened to fp32 parameters' dtype: n values,
+// a multiple of 8, both tensors 16-byte aligned.
+struct WidenArgs {
+  const void* x;  // bf16 [n]
+  float* out;     // [n]
+  int64_t n;
+};
+constexpr int kWidenThreads = 256;
+
 void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_gate(const GateArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_weights(const WeightsArgs& a, int sm_count, cudaStream_t stream);
 void launch_weights_transposed(const WeightsTransposedArgs& a, cudaStream_t stream);
 void launch_group_columns(const GroupColumnsArgs& a, cudaStream_t stream);
+void launch_widen(const WidenArgs& a, int sm_count, cudaStream_t stream);
 
 }  // namespace moe_comm

@@ -185,6 +185,18 @@ at::Tensor transpose_rows_op(const at::Tensor& x, const at::Tensor& offsets) {
   return q;
 }
 
+// x: a contiguous bf16 weight gradient -> the same values in float32.
+at::Tensor widen_op(const at::Tensor& x) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_experts(x.is_cuda() && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.numel() % 8 == 0 &&
+            reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+        "x must be a contiguous, 16-byte aligned CUDA bfloat16 tensor of a multiple of 8 values");
+  at::Tensor out = at::empty(x.sizes(), f32(x));
+  WidenArgs a{x.data_ptr(), out.data_ptr<float>(), x.numel()};
+  launch_widen(a, sm_count(x), c10::cuda::getCurrentCUDAStream());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moe_comm, CUDA, m) {
@@ -195,6 +207,7 @@ TORCH_LIBRARY_IMPL(moe_comm, CUDA, m) {
   m.impl("fp8_weights_transposed", &weights_transposed_op);
   m.impl("fp8_group_columns", &group_columns_op);
   m.impl("fp8_transpose_rows", &transpose_rows_op);
+  m.impl("fp8_widen", &widen_op);
 }
 
 }  // namespace moe_comm

@@ -71,6 +71,14 @@ def transpose_rows(x_RC: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
     return ref.transpose_rows(x_RC, offsets_L)
 
 
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight gradient in float32, the dtype of the parameters at world 1 (csrc/experts/
+    widen.cu says why this is not autograd's own cast)."""
+    if x.is_cuda:
+        return torch.ops.moe_comm.fp8_widen(x.contiguous())
+    return x.float()
+
+
 def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                       offsets_L: torch.Tensor) -> torch.Tensor:
     """e4m3 a x e4m3 b with rowwise scales, bf16 out (fp8_reference.scaled_grouped_mm's shapes)."""
@@ -120,6 +128,10 @@ def register_fakes() -> None:
         rows, channels = x.shape
         return (x.new_empty(channels, (rows + 15) // 16 * 16, dtype=FP8),
                 f32(x, halves, offsets.shape[0] * (channels // halves)))
+
+    @torch.library.register_fake("moe_comm::fp8_widen")
+    def _widen(x):
+        return torch.empty_like(x, dtype=torch.float32)
 
     @torch.library.register_fake("moe_comm::fp8_transpose_rows")
     def _transpose_rows(x, offsets):
