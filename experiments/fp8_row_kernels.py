@@ -6,7 +6,8 @@
 The default shape is one MoE layer of the one-GPU recipe (recipes/deepseek_v3_671b_h200x1.toml:
 8,192 tokens x top 8 over 32 local experts, hidden 7168, expert inter 2048). The rows of each
 expert are a seeded multinomial draw (a mildly uneven routing), each expert's segment padded to
---align rows (fp8_experts.ROW_ALIGN by default) with zero rows, as dispatch lays them out.
+--align rows (fp8_experts.ROW_ALIGN by default) with zero rows, as dispatch lays them out
+(--pad random fills them like the real rows instead).
 
 Each kernel runs --iters times after one warm-up call; the figure is the median of per-call CUDA
 event times. Bytes are what the kernel must read and write at least (its inputs and outputs once;
@@ -45,9 +46,13 @@ def counts_of(rows: int, experts: int, align: int, seed: int) -> tuple[list[int]
     return counts, [-(-c // align) * align for c in counts]
 
 
-def rows_tensor(counts: list[int], padded: list[int], channels: int, scale: float, device) -> torch.Tensor:
-    """bf16 [sum(padded), channels]: random real rows, zero padding."""
+def rows_tensor(counts: list[int], padded: list[int], channels: int, scale: float, device,
+                pad: str = "zero") -> torch.Tensor:
+    """bf16 [sum(padded), channels]: random real rows, and padding of zeros (as dispatch writes
+    it) or, with pad "random", random like the real rows (what a kernel costs on zero rows)."""
     x = torch.zeros(sum(padded), channels, device=device, dtype=torch.bfloat16)
+    if pad == "random":
+        x.normal_(0.0, scale)
     start = 0
     for c, p in zip(counts, padded):
         x[start:start + c] = torch.randn(c, channels, device=device, dtype=torch.bfloat16) * scale
@@ -90,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--align", type=int, default=fp8_experts.ROW_ALIGN)
+    p.add_argument("--pad", choices=("zero", "random"), default="zero",
+                   help="the padding rows: zeros as dispatch writes them, or random (module doc)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", default=None, help="kernel names to run (default: all)")
@@ -105,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     counts, padded = counts_of(args.rows, L, args.align, args.seed)
     R = sum(padded)
     offsets = torch.tensor(padded, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    dy = rows_tensor(counts, padded, D, 1e-3, dev)
-    h13 = rows_tensor(counts, padded, 2 * I, 1.0, dev)
-    dh = rows_tensor(counts, padded, I, 1e-3, dev)
+    dy = rows_tensor(counts, padded, D, 1e-3, dev, args.pad)
+    h13 = rows_tensor(counts, padded, 2 * I, 1.0, dev, args.pad)
+    dh = rows_tensor(counts, padded, I, 1e-3, dev, args.pad)
     x_q = rows_tensor(counts, padded, D, 1.0, dev).to(torch.float8_e4m3fn)
     row_scale = torch.rand(R, device=dev) * 1e-2 + 1e-3
     cs_d = torch.rand(L, D, device=dev) * 1e-3 + 1e-5
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = timed(call, args.iters)
         results[name] = {"ms": ms, "bytes": nbytes, "GB_per_s": nbytes / ms / 1e6}
         print(f"{name:24s} {ms:8.3f} ms  {nbytes / 1e9:7.3f} GB  {nbytes / ms / 1e6:8.0f} GB/s", flush=True)
-    doc = {"shape": {"rows": args.rows, "padded_rows": R, "experts": L, "dim": D, "inter": I, "align": args.align,
+    doc = {"shape": {"rows": args.rows, "padded_rows": R, "experts": L, "dim": D, "inter": I, "align": args.align, "pad": args.pad,
                      "rows_per_expert": counts, "iters": args.iters, "seed": args.seed},
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "float32_wgrad_probe": float32_wgrad_probe(dev), "kernels": results}

@@ -30,12 +30,13 @@ __global__ void __launch_bounds__(kThreads) gate_kernel(const GateArgs a) {
         amax = fmaxf(amax, amax8(h[i]));
       }
     }
-    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
+    const float row_amax = block_max<kThreads>(amax, scratch);
+    const float scale = fp8_scale(row_amax, kFp8MinAmaxSmall), divisor = fp8_divisor(row_amax, scale);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.inter);
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
-      if (v < vecs) q[v] = fp8_quantise_floats8(h[i], scale);
+      if (v < vecs) q[v] = fp8_quantise_floats8(h[i], divisor);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }

@@ -63,15 +63,16 @@ __global__ void __launch_bounds__(kThreads) gate_backward_kernel(const GateBackw
         amax = fmaxf(amax, fmaxf(amax8(d1[i]), amax8(d3[i])));
       }
     }
-    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
+    const float row_amax = block_max<kThreads>(amax, scratch);
+    const float scale = fp8_scale(row_amax, kFp8MinAmaxSmall), divisor = fp8_divisor(row_amax, scale);
     uint2* q1 = reinterpret_cast<uint2*>(a.q + row * 2 * a.inter);
     uint2* q3 = q1 + vecs;
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
       if (v < vecs) {
-        q1[v] = fp8_quantise_floats8(d1[i], scale);
-        q3[v] = fp8_quantise_floats8(d3[i], scale);
+        q1[v] = fp8_quantise_floats8(d1[i], divisor);
+        q3[v] = fp8_quantise_floats8(d3[i], divisor);
       }
     }
     if (threadIdx.x == 0) a.scale[row] = scale;

@@ -15,12 +15,24 @@ namespace moe_comm {
 __global__ void __launch_bounds__(kWidenThreads) widen_kernel(const WidenArgs a) {
   const uint4* in = static_cast<const uint4*>(a.x);
   float4* out = reinterpret_cast<float4*>(a.out);
-  const int64_t vecs = a.n / 8;
-  for (int64_t v = (int64_t)blockIdx.x * kWidenThreads + threadIdx.x; v < vecs; v += (int64_t)gridDim.x * kWidenThreads) {
-    float f[8];
-    bf16x8_to_floats(in[v], f);
-    out[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
-    out[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
+  const int64_t vecs = a.n / 8, stride = (int64_t)gridDim.x * kWidenThreads;
+  // kWidenVecs loads in flight a thread before its stores
+  for (int64_t v0 = (int64_t)blockIdx.x * kWidenThreads + threadIdx.x; v0 < vecs; v0 += kWidenVecs * stride) {
+    uint4 raw[kWidenVecs];
+#pragma unroll
+    for (int j = 0; j < kWidenVecs; ++j) {
+      if (v0 + j * stride < vecs) raw[j] = in[v0 + j * stride];
+    }
+#pragma unroll
+    for (int j = 0; j < kWidenVecs; ++j) {
+      const int64_t v = v0 + j * stride;
+      if (v < vecs) {
+        float f[8];
+        bf16x8_to_floats(raw[j], f);
+        out[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
+        out[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
+      }
+    }
   }
 }
 
