@@ -30,7 +30,7 @@ from moe_comm.kernels import fp8_reference as ref  # noqa: E402
 
 DEVICE = torch.device("cuda", 0)
 EXPERTS, HIDDEN, INTER = 8, 7168, 2048
-ROW_WIDTHS = (HIDDEN, 3072, 400)
+ROW_WIDTHS = (HIDDEN, 3072, INTER, 400)
 # Relative L2 of the FP8 experts' output and each gradient against the bf16 experts. Each e4m3
 # operand carries up to 6.25% rounding error (3 mantissa bits), about 2-3% RMS once scaled to
 # its row's or channel's amax, and every result passes two or three such roundings (x or dy,
@@ -97,12 +97,14 @@ def test_rows_and_weights_quantise_bit_for_bit():
     total = sum(counts)
     x = bf16(total + 32, HIDDEN, seed=1)
     x[5] = 0
+    x[6] = 0  # a zero row with negative zeros: quantised dividing by 1, the codes keep their signs
+    x[6, ::3] = -0.0
     x[7] *= 1e-9
     offsets = offsets_of(counts)
     # dgrad's rows: each times its expert's weight row scales first (an expert with no rows
     # between), or as they are; and the rows' (expert, channel) amax
     # at each block size the row kernels take (csrc/experts/rows.cuh, with_row_threads): 7168
-    # channels in blocks of 256 threads, 3072 in blocks of 128, 400 in blocks of 64
+    # channels in blocks of 512 threads, 3072 in blocks of 256, 2048 of 128, 400 of 64
     for width in ROW_WIDTHS:
         xw = x[:, :width].contiguous()
         channel_scale = torch.rand(len(counts), width, device=DEVICE) * 1e-3 + 1e-5
@@ -161,8 +163,8 @@ def test_group_columns_bit_for_bit():
 
 @pytest.mark.parametrize("inter", [INTER, 3072, 400])
 def test_gate_and_its_backward_to_rounding(inter):
-    """At each block size the row kernels take: inter 2048 and 400 in blocks of 64 threads, 3072
-    in blocks of 128 (whose folded scales and amax need more than 48 KiB of shared memory)."""
+    """At each block size the row kernels take: inter 400 in blocks of 64 threads, 2048 of 128,
+    3072 of 256 (whose folded scales and amax need more than 48 KiB of shared memory)."""
     counts = [256, 0, 736]
     total = sum(counts)
     offsets = offsets_of(counts)

@@ -17,8 +17,10 @@ namespace moe_comm {
 
 // Row kernels: one block of at most kRowThreads per row, each thread holding up to kRowVecs vectors of
 // 8 channels in registers, so a row is read once and its amax is a block reduction.
-constexpr int kRowThreads = 256;
-constexpr int kRowVecs = 4;
+constexpr int kRowThreads = 512;
+constexpr int kRowVecs = 2;
+// The transposing kernels' blocks (weights_transposed.cu, group_columns.cu).
+constexpr int kTileThreads = 256;
 // The widest row the row kernels take (a model's hidden size, or its expert inter dim).
 constexpr int kMaxRowChannels = kRowThreads * kRowVecs * 8;
 

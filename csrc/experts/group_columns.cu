@@ -40,7 +40,7 @@ __device__ __forceinline__ uint2 load_row8(const GroupColumnsArgs& a, int64_t r,
   return make_uint2(word[0], word[1]);
 }
 
-__global__ void __launch_bounds__(kRowThreads) group_columns_kernel(const GroupColumnsArgs a) {
+__global__ void __launch_bounds__(kTileThreads) group_columns_kernel(const GroupColumnsArgs a) {
   __shared__ __align__(16) uint8_t tile[kGroupCols * kGroupPitch];
   __shared__ float scales[kGroupCols];
   const int g = blockIdx.y, c0 = blockIdx.x * kGroupCols;
@@ -56,12 +56,12 @@ __global__ void __launch_bounds__(kRowThreads) group_columns_kernel(const GroupC
   }
   __syncthreads();
 
-  constexpr int kLoads = kGroupRows * kColVecs / kRowThreads;
-  constexpr int kStores = kGroupCols * kGroupRows / 16 / kRowThreads;
+  constexpr int kLoads = kGroupRows * kColVecs / kTileThreads;
+  constexpr int kStores = kGroupCols * kGroupRows / 16 / kTileThreads;
   for (int64_t r0 = start; r0 < end; r0 += kGroupRows) {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int id = threadIdx.x + i * kRowThreads;
+      const int id = threadIdx.x + i * kTileThreads;
       const int rl = id / kColVecs, v = id % kColVecs;
       const int64_t r = r0 + rl;
       if (r >= end || c0 + 8 * v >= a.channels) continue;
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kRowThreads) group_columns_kernel(const GroupC
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < kStores; ++i) {
-      const int id = threadIdx.x + i * kRowThreads;
+      const int id = threadIdx.x + i * kTileThreads;
       const int cl = id / (kGroupRows / 16), seg = id % (kGroupRows / 16);
       const int col = c0 + cl;
       const int64_t r = r0 + 16 * seg;
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kRowThreads) group_columns_kernel(const GroupC
 void launch_group_columns(const GroupColumnsArgs& a, cudaStream_t stream) {
   if (a.groups == 0 || a.channels == 0) return;
   const dim3 grid((a.channels + kGroupCols - 1) / kGroupCols, a.groups);
-  group_columns_kernel<<<grid, kRowThreads, 0, stream>>>(a);
+  group_columns_kernel<<<grid, kTileThreads, 0, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_group_columns");
 }
 

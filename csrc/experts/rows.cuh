@@ -158,18 +158,21 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 constexpr int kThreadsPerSm = 2048;
 
 // Calls launch(std::integral_constant<int, kThreads>{}) with the smallest block of row-kernel
-// threads (64, 128 or kRowThreads) that holds a row of `vecs` 8-channel vectors at kRowVecs a
-// thread. Small blocks for narrow rows put more rows' loads in flight per SM: a thread keeps
+// threads (64, 128, 256 or kRowThreads) that holds a row of `vecs` 8-channel vectors at kRowVecs
+// a thread. Small blocks for narrow rows put more rows' loads in flight per SM: a thread keeps
 // kRowVecs vectors of each operand in registers either way, so a 2048-channel row in a block of
 // 256 threads left three quarters of those registers idle and, at 153 registers a thread, one
 // such block per SM (the gate's backward: 0.91 ms at the flagship rank's rows, run 36; 0.67 in
 // blocks of 64, run 39).
 template <typename Launch>
 void with_row_threads(int vecs, Launch&& launch) {
+  static_assert(kRowThreads == 256 || kRowThreads == 512, "the ladder below ends at kRowThreads");
   if (vecs <= 64 * kRowVecs) {
     launch(std::integral_constant<int, 64>{});
   } else if (vecs <= 128 * kRowVecs) {
     launch(std::integral_constant<int, 128>{});
+  } else if (kRowThreads == 512 && vecs <= 256 * kRowVecs) {
+    launch(std::integral_constant<int, 256>{});
   } else {
     launch(std::integral_constant<int, kRowThreads>{});
   }

@@ -19,14 +19,14 @@ constexpr int kTileCols = 64;
 constexpr int kTilePitch = kTileRows + 16;  // bytes per transposed row in shared memory
 static_assert(kTileRows == kTransposeRows && kTileCols / 8 == kTransposeVecs, "tile_offset's tile");
 
-__global__ void __launch_bounds__(kRowThreads) weights_transposed_kernel(const WeightsTransposedArgs a) {
+__global__ void __launch_bounds__(kTileThreads) weights_transposed_kernel(const WeightsTransposedArgs a) {
   __shared__ __align__(16) uint8_t tile[kTileCols * kTilePitch];
   const int e = blockIdx.z;
   const int n0 = blockIdx.y * kTileRows, c0 = blockIdx.x * kTileCols;
-  constexpr int kLoads = kTileRows * kTileCols / 8 / kRowThreads;
+  constexpr int kLoads = kTileRows * kTileCols / 8 / kTileThreads;
 #pragma unroll
   for (int i = 0; i < kLoads; ++i) {
-    const int id = threadIdx.x + i * kRowThreads;
+    const int id = threadIdx.x + i * kTileThreads;
     const int r = id / (kTileCols / 8), cv = id % (kTileCols / 8);
     const int n = n0 + r, c = c0 + 8 * cv;
     if (n >= a.rows || c >= a.cols) continue;
@@ -34,10 +34,10 @@ __global__ void __launch_bounds__(kRowThreads) weights_transposed_kernel(const W
     put8_in_tile<kTilePitch>(tile, 8 * cv, r, v);
   }
   __syncthreads();
-  constexpr int kStores = kTileCols * kTileRows / 16 / kRowThreads;
+  constexpr int kStores = kTileCols * kTileRows / 16 / kTileThreads;
 #pragma unroll
   for (int i = 0; i < kStores; ++i) {
-    const int id = threadIdx.x + i * kRowThreads;
+    const int id = threadIdx.x + i * kTileThreads;
     const int cl = id / (kTileRows / 16), seg = id % (kTileRows / 16);
     const int c = c0 + cl, n = n0 + 16 * seg;
     if (c >= a.cols || n >= a.rows) continue;  // rows are whole 16s (the op checks)
@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kRowThreads) weights_transposed_kernel(const W
 void launch_weights_transposed(const WeightsTransposedArgs& a, cudaStream_t stream) {
   if (a.experts == 0 || a.rows == 0 || a.cols == 0) return;
   const dim3 grid((a.cols + kTileCols - 1) / kTileCols, (a.rows + kTileRows - 1) / kTileRows, a.experts);
-  weights_transposed_kernel<<<grid, kRowThreads, 0, stream>>>(a);
+  weights_transposed_kernel<<<grid, kTileThreads, 0, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_weights_transposed");
 }
 
