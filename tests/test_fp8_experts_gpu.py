@@ -97,7 +97,7 @@ def test_rows_and_weights_quantise_bit_for_bit():
     total = sum(counts)
     x = bf16(total + 32, HIDDEN, seed=1)
     x[5] = 0
-    x[6] = 0  # a zero row with negative zeros: quantised dividing by 1, the codes keep their signs
+    x[6] = 0  # a zero row with negative zeros: the codes keep their signs
     x[6, ::3] = -0.0
     x[7] *= 1e-9
     offsets = offsets_of(counts)

@@ -108,17 +108,7 @@ __device__ __forceinline__ float amax8(const float (&in)[8]) {
 // g at hidden + 4 g.
 
 // The scale of a group whose largest |value| is amax.
-// The floor's branch divides constants only, which the compiler folds (the same correctly rounded
-// quotient as at run time, and the same result for a NaN amax as fmaxf's): a zero row's tiny
-// floor never reaches a run-time division.
-__device__ __forceinline__ float fp8_scale(float amax, float min_amax) {
-  return amax > min_amax ? amax / kFp8Max : min_amax / kFp8Max;
-}
-
-// What a group of amax `amax` is divided by to quantise it with `scale` (fp8_scale's): the scale,
-// except that an all-zero group (amax 0: an expert's alignment padding) is divided by 1, which
-// gives the same codes (+-0 / s is +-0 for any s > 0).
-__device__ __forceinline__ float fp8_divisor(float amax, float scale) { return amax > 0.f ? scale : 1.f; }
+__device__ __forceinline__ float fp8_scale(float amax, float min_amax) { return fmaxf(amax, min_amax) / kFp8Max; }
 
 // Half-warp amax of |x| over the lane's 8 channels: the group's scale.
 __device__ __forceinline__ float fp8_group_scale(uint4 raw, float min_amax = kFp8MinAmax) {

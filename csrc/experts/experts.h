@@ -15,14 +15,19 @@
 
 namespace moe_comm {
 
-// Row kernels: one block of at most kRowThreads per row, each thread holding up to kRowVecs vectors of
-// 8 channels in registers, so a row is read once and its amax is a block reduction.
-constexpr int kRowThreads = 512;
+// Row kernels: one block per row (rows.cuh's with_row_threads sizes it), each thread
+// holding a few vectors of 8 channels in registers, so a row is read once and its amax is a block
+// reduction. The weights' kernel holds kWeightVecs a thread: fp32 rows and nothing but the row in
+// its loop, so each thread's loads in flight set its pace. The rows' kernels (quantise_rows, gate,
+// gate_backward) hold kRowVecs: their per-expert shared arrays and the row's reduction stall them,
+// and twice the warps on a row hid more of that (gate_backward 1.81 -> 1.24 ms at the one-GPU
+// recipe's layer, 150 -> 103 registers; the weights' kernel went 1.18 -> 1.58 ms that way: run 43).
+constexpr int kWeightVecs = 4;
 constexpr int kRowVecs = 2;
 // The transposing kernels' blocks (weights_transposed.cu, group_columns.cu).
 constexpr int kTileThreads = 256;
 // The widest row the row kernels take (a model's hidden size, or its expert inter dim).
-constexpr int kMaxRowChannels = kRowThreads * kRowVecs * 8;
+constexpr int kMaxRowChannels = 8192;
 
 // x [rows, channels] bf16 -> q e4m3 + one scale per row (the output gradient, for dgrad).
 // channel_scale, where given, multiplies each row of expert e channel by channel before the

@@ -30,20 +30,19 @@ __global__ void __launch_bounds__(kThreads) gate_kernel(const GateArgs a) {
         amax = fmaxf(amax, amax8(h[i]));
       }
     }
-    const float row_amax = block_max<kThreads>(amax, scratch);
-    const float scale = fp8_scale(row_amax, kFp8MinAmaxSmall), divisor = fp8_divisor(row_amax, scale);
+    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.inter);
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
-      if (v < vecs) q[v] = fp8_quantise_floats8(h[i], divisor);
+      if (v < vecs) q[v] = fp8_quantise_floats8(h[i], scale);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }
 }
 
 void launch_gate(const GateArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
-  with_row_threads(a.inter / 8, [&](auto threads) {
+  with_row_threads<kRowVecs>(a.inter / 8, [&](auto threads) {
     constexpr int kThreads = decltype(threads)::value;
     gate_kernel<kThreads><<<row_blocks<kThreads>(rows, sm_count), kThreads, 0, stream>>>(a);
   });

@@ -63,16 +63,15 @@ __global__ void __launch_bounds__(kThreads) gate_backward_kernel(const GateBackw
         amax = fmaxf(amax, fmaxf(amax8(d1[i]), amax8(d3[i])));
       }
     }
-    const float row_amax = block_max<kThreads>(amax, scratch);
-    const float scale = fp8_scale(row_amax, kFp8MinAmaxSmall), divisor = fp8_divisor(row_amax, scale);
+    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
     uint2* q1 = reinterpret_cast<uint2*>(a.q + row * 2 * a.inter);
     uint2* q3 = q1 + vecs;
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
       if (v < vecs) {
-        q1[v] = fp8_quantise_floats8(d1[i], divisor);
-        q3[v] = fp8_quantise_floats8(d3[i], divisor);
+        q1[v] = fp8_quantise_floats8(d1[i], scale);
+        q3[v] = fp8_quantise_floats8(d3[i], scale);
       }
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
@@ -82,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) gate_backward_kernel(const GateBackw
 
 void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
   const size_t smem = ExpertWalk::smem_bytes(a.channel_scale, 2 * a.inter, a.col_amax, 3 * a.inter);  // <= 160 KiB
-  with_row_threads(a.inter / 8, [&](auto threads) {
+  with_row_threads<kRowVecs>(a.inter / 8, [&](auto threads) {
     constexpr int kThreads = decltype(threads)::value;
     const int blocks = walk_blocks(gate_backward_kernel<kThreads>, kThreads, smem, rows, sm_count);
     gate_backward_kernel<kThreads><<<blocks, kThreads, smem, stream>>>(a);

@@ -33,13 +33,12 @@ __global__ void __launch_bounds__(kThreads) quantise_rows_kernel(const QuantiseR
         amax = fmaxf(amax, amax8(f[i]));
       }
     }
-    const float row_amax = block_max<kThreads>(amax, scratch);
-    const float scale = fp8_scale(row_amax, kFp8MinAmaxSmall), divisor = fp8_divisor(row_amax, scale);
+    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.channels);
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
-      if (v < vecs) q[v] = fp8_quantise_floats8(f[i], divisor);
+      if (v < vecs) q[v] = fp8_quantise_floats8(f[i], scale);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }
@@ -48,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) quantise_rows_kernel(const QuantiseR
 
 void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count, cudaStream_t stream) {
   const size_t smem = ExpertWalk::smem_bytes(a.channel_scale, a.channels, a.col_amax, a.channels);
-  with_row_threads(a.channels / 8, [&](auto threads) {
+  with_row_threads<kRowVecs>(a.channels / 8, [&](auto threads) {
     constexpr int kThreads = decltype(threads)::value;
     const int blocks = walk_blocks(quantise_rows_kernel<kThreads>, kThreads, smem, rows, sm_count);
     quantise_rows_kernel<kThreads><<<blocks, kThreads, smem, stream>>>(a);

@@ -157,24 +157,24 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // The most threads an SM holds (Hopper): resident blocks of a row kernel are bounded by it.
 constexpr int kThreadsPerSm = 2048;
 
-// Calls launch(std::integral_constant<int, kThreads>{}) with the smallest block of row-kernel
-// threads (64, 128, 256 or kRowThreads) that holds a row of `vecs` 8-channel vectors at kRowVecs
-// a thread. Small blocks for narrow rows put more rows' loads in flight per SM: a thread keeps
-// kRowVecs vectors of each operand in registers either way, so a 2048-channel row in a block of
-// 256 threads left three quarters of those registers idle and, at 153 registers a thread, one
-// such block per SM (the gate's backward: 0.91 ms at the flagship rank's rows, run 36; 0.67 in
-// blocks of 64, run 39).
-template <typename Launch>
+// Calls launch(std::integral_constant<int, kThreads>{}) with the smallest block of 64, 128, 256
+// or 512 threads that holds a row of `vecs` 8-channel vectors at kVecs a thread (experts.h says
+// which kernel holds how many). Small blocks for narrow rows put more rows' loads in flight per SM:
+// a thread keeps kVecs vectors of each operand in registers however many the row fills, so a
+// 2048-channel row in a block of 256 threads at 4 vectors left three quarters of those registers
+// idle and, at 153 registers a thread, one such block per SM (the gate's backward: 0.91 ms at the
+// flagship rank's rows, run 36; 0.67 in blocks of 64, run 39).
+template <int kVecs, typename Launch>
 void with_row_threads(int vecs, Launch&& launch) {
-  static_assert(kRowThreads == 256 || kRowThreads == 512, "the ladder below ends at kRowThreads");
-  if (vecs <= 64 * kRowVecs) {
+  static_assert(512 * kVecs * 8 >= kMaxRowChannels, "the largest block holds the widest row");
+  if (vecs <= 64 * kVecs) {
     launch(std::integral_constant<int, 64>{});
-  } else if (vecs <= 128 * kRowVecs) {
+  } else if (vecs <= 128 * kVecs) {
     launch(std::integral_constant<int, 128>{});
-  } else if (kRowThreads == 512 && vecs <= 256 * kRowVecs) {
+  } else if (256 * kVecs * 8 >= kMaxRowChannels || vecs <= 256 * kVecs) {
     launch(std::integral_constant<int, 256>{});
   } else {
-    launch(std::integral_constant<int, kRowThreads>{});
+    if constexpr (256 * kVecs * 8 < kMaxRowChannels) launch(std::integral_constant<int, 512>{});
   }
 }
 

@@ -4,7 +4,7 @@
 // (weights_transposed.cu) with these scales folded into its other operand, so no column amax and
 // no second pass over the parameters.
 //
-// A row kernel: a block per row, the row held in registers (kRowVecs vectors of 8 a thread, so a
+// A row kernel: a block per row, the row held in registers (kWeightVecs vectors of 8 a thread, so a
 // fp32 row of up to kMaxRowChannels is one read), its amax a block reduction. The block is as
 // small as holds the row, so that narrow rows (W2's 2048 channels) still put many rows' loads in
 // flight per SM: 64 threads for up to 2048 channels, 256 for W1|W3's 7168. The previous kernel
@@ -28,23 +28,22 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(const WeightsArgs a) 
     const bool in_a = n < a.rows_a;
     const void* src = in_a ? a.a : a.b;
     const int64_t base = in_a ? ((int64_t)e * a.rows_a + n) * a.cols : ((int64_t)e * a.rows_b + n - a.rows_a) * a.cols;
-    float f[kRowVecs][8];
+    float f[kWeightVecs][8];
     float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < kRowVecs; ++i) {
+    for (int i = 0; i < kWeightVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
       if (v < vecs) {
         load8(src, a.fp32, base + 8 * v, f[i]);
         amax = fmaxf(amax, amax8(f[i]));
       }
     }
-    const float row_amax = block_max<kThreads>(amax, scratch);
-    const float scale = fp8_scale(row_amax, kFp8MinAmaxSmall), divisor = fp8_divisor(row_amax, scale);
+    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.cols);
 #pragma unroll
-    for (int i = 0; i < kRowVecs; ++i) {
+    for (int i = 0; i < kWeightVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
-      if (v < vecs) q[v] = fp8_quantise_floats8(f[i], divisor);
+      if (v < vecs) q[v] = fp8_quantise_floats8(f[i], scale);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }
@@ -53,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(const WeightsArgs a) 
 void launch_weights(const WeightsArgs& a, int sm_count, cudaStream_t stream) {
   const int64_t rows = (int64_t)a.experts * (a.rows_a + a.rows_b);
   if (rows == 0) return;
-  with_row_threads(a.cols / 8, [&](auto threads) {
+  with_row_threads<kWeightVecs>(a.cols / 8, [&](auto threads) {
     constexpr int kThreads = decltype(threads)::value;
     weights_kernel<kThreads><<<row_blocks<kThreads>(rows, sm_count), kThreads, 0, stream>>>(a);
   });
