@@ -122,7 +122,6 @@ struct WidenArgs {
   int64_t n;
 };
 constexpr int kWidenThreads = 256;
-constexpr int kWidenVecs = 4;  // 16-byte loads a thread issues before it stores
 
 void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_gate(const GateArgs& a, int64_t rows, int sm_count, cudaStream_t stream);

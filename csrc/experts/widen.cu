@@ -2,7 +2,9 @@
 // mixed precision). torch._scaled_grouped_mm writes bf16 only, and autograd's own cast of a
 // gradient to its parameter's dtype ran as a 2-byte-a-load copy kernel at about 1.9 TB/s: 1.48 ms
 // for each of the three [32, 2048, 7168] gradients of a one-GPU recipe layer, 8.9 ms of its step
-// (results/h200x1/README.md, run 41). Here each thread moves 8 values a load.
+// (results/h200x1/README.md, run 41). Here each thread moves 8 values a load: 1.08 against 1.34 ms
+// for torch's cast of the same gradient (run 42; four loads in flight a thread measured the same
+// in runs 43-44, so the loop stays this simple).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -15,24 +17,12 @@ namespace moe_comm {
 __global__ void __launch_bounds__(kWidenThreads) widen_kernel(const WidenArgs a) {
   const uint4* in = static_cast<const uint4*>(a.x);
   float4* out = reinterpret_cast<float4*>(a.out);
-  const int64_t vecs = a.n / 8, stride = (int64_t)gridDim.x * kWidenThreads;
-  // kWidenVecs loads in flight a thread before its stores
-  for (int64_t v0 = (int64_t)blockIdx.x * kWidenThreads + threadIdx.x; v0 < vecs; v0 += kWidenVecs * stride) {
-    uint4 raw[kWidenVecs];
-#pragma unroll
-    for (int j = 0; j < kWidenVecs; ++j) {
-      if (v0 + j * stride < vecs) raw[j] = in[v0 + j * stride];
-    }
-#pragma unroll
-    for (int j = 0; j < kWidenVecs; ++j) {
-      const int64_t v = v0 + j * stride;
-      if (v < vecs) {
-        float f[8];
-        bf16x8_to_floats(raw[j], f);
-        out[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
-        out[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
-      }
-    }
+  const int64_t vecs = a.n / 8;
+  for (int64_t v = (int64_t)blockIdx.x * kWidenThreads + threadIdx.x; v < vecs; v += (int64_t)gridDim.x * kWidenThreads) {
+    float f[8];
+    bf16x8_to_floats(in[v], f);
+    out[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
+    out[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
   }
 }
 
