@@ -166,15 +166,16 @@ constexpr int kThreadsPerSm = 2048;
 // flagship rank's rows, run 36; 0.67 in blocks of 64, run 39).
 template <int kVecs, typename Launch>
 void with_row_threads(int vecs, Launch&& launch) {
-  static_assert(512 * kVecs * 8 >= kMaxRowChannels, "the largest block holds the widest row");
+  constexpr int kLargest = kMaxRowChannels / 8 / kVecs;  // the block that holds the widest row
+  static_assert(kLargest == 256 || kLargest == 512, "blocks of 64 threads up to kLargest");
   if (vecs <= 64 * kVecs) {
     launch(std::integral_constant<int, 64>{});
   } else if (vecs <= 128 * kVecs) {
     launch(std::integral_constant<int, 128>{});
-  } else if (256 * kVecs * 8 >= kMaxRowChannels || vecs <= 256 * kVecs) {
+  } else if (kLargest == 256 || vecs <= 256 * kVecs) {
     launch(std::integral_constant<int, 256>{});
   } else {
-    if constexpr (256 * kVecs * 8 < kMaxRowChannels) launch(std::integral_constant<int, 512>{});
+    launch(std::integral_constant<int, kLargest>{});
   }
 }
 
