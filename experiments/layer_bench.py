@@ -807,9 +807,10 @@ def _experts(a, case: Case, rows: dict, dtype: str, compiled: bool, device) -> B
 
 
 FP8_OURS = "moe_comm_fp8"  # the part name of this project's FP8 experts
-# Microbatches per optimizer step of the "_cached" part: the flagship's (recipes/
-# deepseek_v3_671b_b200.toml: 32 per step through PP 8), over which moe_comm.fp8_experts'
-# WeightCache quantises each MoE layer's weights once.
+# Microbatches per optimizer step of the "_cached" part, over which moe_comm.fp8_experts'
+# WeightCache quantises each MoE layer's weights once: the flagship's count when it was measured
+# (recipes/deepseek_v3_671b_b200.toml ran 32 per step through PP 8 until 2026-12-03 and runs 64
+# since, where one quantisation serves twice the microbatches).
 FP8_CACHED_MICROBATCHES = 32
 # Steps of moe_comm.fp8_experts by kind, for the breakdown's totals.
 FP8_STEP_KINDS = {"quantise": ("weights", "gate", "quantise_dy", "weights_t_2", "gate_backward", "weights_t_13"),

@@ -45,7 +45,9 @@ TARGETS = (("exposed MoE comm / MoE comm (nvshmem flagship)", "<=", 0.30),
 LABEL = {"nccl": "nccl (all-to-all)", "deepep": "deepep (DeepEP V1)", "nvshmem": "nvshmem (hierarchical, bf16)",
          "nvshmem-fp8": "nvshmem (hierarchical, fp8 dispatch)"}
 GB = 1e9
-PLAN_TOKENS = "1M-4M"  # the global batch range the flagship is planned in: 1x to 4x its 1M tokens before
+# The global batch range the flagship is planned in: up to Megatron-Bridge's DeepSeek-V3 global
+# batch on 256 GPUs (2048 x 4096 tokens).
+PLAN_TOKENS = "1M-8M"
 
 
 def fmt(x, nd=0):
@@ -266,7 +268,7 @@ def flagship_section(cal, lines, data):
     lines += ["## DeepSeek-V3 671B on 32 x 8 B200, the EP degree swept", "",
               f"The flagship recipe (`{FLAGSHIP}`, as it stands) with the EP degree changed; EP 64 and 256 need PP 4 "
               "and PP 1 (EP must divide dp_shard x cp x tp), with the local batch halved and quartered (the global "
-              "batch stays 4M tokens). Per rank and step: rows and bytes of every MoE transfer (dispatch, combine and "
+              "batch stays the recipe's). Per rank and step: rows and bytes of every MoE transfer (dispatch, combine and "
               "their backward; the recompute replays them: no transfer); \"MoE comm\" is the MoE communication that "
               "runs, \"exposed\" all exposed communication. Compute: the one-GPU layer benchmark's parts at the "
               "flagship's per-rank shape (results/model_inputs/layer_bench_h200x1.json, case flagship), scaled to "
