@@ -27,6 +27,10 @@ def launch(ts, corr, tid=1, name="cudaLaunchKernel"):
 TRACE = {"traceEvents": [
     x("host_profile.step#1", 0, 1000, "user_annotation"),
     x("host_profile.step#2", 1000, 500, "user_annotation"),
+    # the profiler's copies of the marks on the GPU's timeline, from each step's first kernel:
+    # not where a step starts (step 1's leading gap 0-120 is its own)
+    x("host_profile.step#1", 120, 900, "gpu_user_annotation", tid=7),
+    x("host_profile.step#2", 1110, 200, "gpu_user_annotation", tid=7),
     x("fwd:layers.1.moe.router", 100, 200, "user_annotation"),
     x("moe:dispatch", 310, 40, "user_annotation"),
     x("moe_comm::dispatch", 315, 30, "cpu_op"),
