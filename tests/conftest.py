@@ -68,6 +68,12 @@ SHARED_RUNS = {
     "ours_ep1": (*NO_WANDB, "--parallelism.expert_parallel_degree", "1", "--training.steps", "3"),
     "ours_ep2_bf16": (*NO_WANDB, *BF16),
     "titan_ep2_bf16": (*NO_WANDB, *TITAN, *BF16),
+    # test_train_equality: the batches loaded ahead by a dataloader worker, as a GPU run can load
+    # them while the GPU computes (results/h200x1/README.md, fifteenth session), train the same.
+    # Launched as a user launches it, not forked: the fork server's ranks start workers by
+    # forkserver, which must pickle the dataset, and TorchTitan's merged job config does not pickle
+    "ours_ep2_workers": (*NO_WANDB, "--training.steps", "3", "--training.dataloader.num_workers", "1",
+                         "--training.dataloader.prefetch_factor", "2"),
 }
 # The shared runs whose tests read only what the ranks wrote (losses, metrics, rank logs), with
 # their number of ranks: forked from tests/ranks.py's fork server (tests/titan_rank.py) instead of

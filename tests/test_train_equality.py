@@ -31,7 +31,7 @@ import pytest
 from moe_comm.metrics import keys
 
 STEPS = 3  # of the default run's 5, compared with the 3-step runs (conftest.SHARED_RUNS)
-RUNS = ("titan_ep2", "ours_ep1", "ours_ep2_bf16", "titan_ep2_bf16")
+RUNS = ("titan_ep2", "ours_ep1", "ours_ep2_bf16", "titan_ep2_bf16", "ours_ep2_workers")
 
 
 def _losses(dump) -> list[float]:
@@ -53,6 +53,13 @@ def test_nccl_backend_matches_torchtitan_bitwise_bf16(runs):
     # bf16 params as on the GPUs: FSDP casts the experts' inputs to bf16, so routing weights
     # must not pass through that module (moe_comm.titan.model); the losses still agree exactly.
     assert len(runs["ours_ep2_bf16"]) == 2 and runs["ours_ep2_bf16"] == runs["titan_ep2_bf16"]
+
+
+def test_a_dataloader_worker_loads_the_same_batches(runs):
+    """TorchTitan's dataloader with a worker process loading two batches ahead
+    ([training.dataloader] num_workers 1, prefetch_factor 2) trains exactly as loading on the
+    main thread does: the same batches in the same order, so the same losses bit for bit."""
+    assert len(runs["ours_ep2_workers"]) == STEPS and runs["ours_ep2_workers"] == runs["ours_ep2"]
 
 
 def test_ep2_matches_ep1_fp32(runs):
