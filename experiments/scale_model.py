@@ -593,8 +593,10 @@ def assumptions_section(cal, lines):
               "the next block's attention and router forward, each pair at the comm SMs' cost as above; the rest of "
               "the rank's microbatch-stages expose theirs; one more microbatch-stage in flight (memory); the bubble "
               "stays Interleaved1F1B's;",
-              "- DualPipeV's EP overlap: in its OVERLAP_F_B pairs (counted from torch's schedule) each comm op of "
-              "one chunk runs beside half a layer's compute of the other; elsewhere the comm is exposed;",
+              "- DualPipeV's EP overlap (the flagship's): its OVERLAP_F_B pairs (rank 0's, counted from torch's "
+              "schedule; every one is on the rank's two different stages) run TorchTitan's overlap callback with the "
+              "same sync points, so each is priced as a pair of the microbatch overlap above; elsewhere the comm is "
+              "exposed; it runs under every AC mode, as the recompute is comm-free (TorchTitan refuses AC there);",
               "- compute (moe_comm/predict/layer_compute.py): each part of a rank's layers measured on one H200 at "
               "the layout's per-rank shape (results/model_inputs/layer_bench_h200x1.json), scaled by its work where "
               "the shape differs (block-causal attention by the kept pairs of the dataset's packed documents x heads) "
@@ -645,8 +647,9 @@ def gaps_section(rows, cal, lines):
               f"{err('overlap_training/deepseek_v3_671b_h200x1/nccl-none')}.** With no link to hide, chunking measured a loss (tok/s "
               f"{chunking('nvshmem')} nvshmem, {chunking('nccl')} nccl): the experts run once per chunk, so their weight "
               "gradients are added and, under autocast, their weights re-cast (the step's `chunked weight work`).",
-              "- **The microbatch overlap has no measured step yet.** Its pricing follows what "
-              "moe_comm.titan.pipeline's docstring says hides behind what, and its pairs torch's action lists; "
+              "- **Neither overlap across microbatches (microbatch, DualPipeV's) has a measured step yet.** Their "
+              "pricing follows what moe_comm.titan.pipeline's docstring says hides behind what, and their pairs "
+              "torch's action lists; "
               "experiments/emulated_link.py measures it on one GPU with an emulated link (overlap none, chunked and "
               "microbatch need PP, which one GPU runs only with virtual stages: not yet).",
               "- **Inter-node:** no multi-node figure exists yet; the network rate (its range above), the "

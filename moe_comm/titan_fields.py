@@ -67,6 +67,7 @@ def check(config, layout: Layout) -> None:
                 f"[training] local_batch_size = {t.local_batch_size} must be a multiple of [parallelism] "
                 f"pipeline_parallel_microbatch_size = {mb} (TorchTitan splits the batch into microbatches)"
             )
+        _check_microbatches(p.pipeline_parallel_schedule, layout.pp, t.local_batch_size, mb)
 
     # train.py sets the process groups' timeouts to these (timedelta(seconds=...)); 0 fails at once
     _at_least("comm", "init_timeout_seconds", config.comm.init_timeout_seconds, 1, "the first collectives' timeout")
@@ -121,3 +122,25 @@ def check(config, layout: Layout) -> None:
         # (steps: TorchTitan's own Validation.__post_init__ asserts steps > 0 or -1, see recipe._job_config)
         _at_least("validation", "local_batch_size", v.local_batch_size, 1, "rows per validation batch")
         _at_least("validation", "seq_len", v.seq_len, 1, "tokens per validation row")
+
+
+def _check_microbatches(schedule: str, pp: int, local_batch: int, mb: int) -> None:
+    """torch.distributed.pipelining's refusals of a microbatch count at schedule construction
+    (Schedule1F1B, ScheduleDualPipeV, the interleaved schedules' rounds), in the recipe's fields."""
+    m, name = local_batch // mb, schedule.lower()
+    least = {"1f1b": pp, "dualpipev": 2 * pp}.get(name, 0)  # the stages: pp, and 2 per rank in a V
+    fields = (f"[training] local_batch_size = {local_batch} / [parallelism] pipeline_parallel_microbatch_size "
+              f"= {mb} gives {m} microbatches")
+    if m < least:
+        raise RecipeError(
+            f"[parallelism] pipeline_parallel_schedule = {schedule!r} needs at least {least} microbatches per "
+            f"step (one per stage; torch refuses fewer) and {fields}: raise local_batch_size to {least * mb}"
+        )
+    rounds = max(1, m // pp)
+    if name in ("interleaved1f1b", "interleavedzerobubble") and m % rounds:
+        fit = m // rounds * rounds
+        raise RecipeError(
+            f"[parallelism] pipeline_parallel_schedule = {schedule!r} runs the microbatches in rounds of "
+            f"pipeline_parallel_degree = {pp}, so their count must be a multiple of the {rounds} rounds (torch "
+            f"refuses others), and {fields}: set local_batch_size to {fit * mb} or {(fit + rounds) * mb}"
+        )

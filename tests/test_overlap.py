@@ -476,10 +476,11 @@ def test_overlap_is_part_of_the_run_name(monkeypatch):
         r = recipe.load("recipes/deepseek_v3_671b_b200.toml", list(overrides), check_paths=False)
         return naming.run_name(naming.run_identity(r.config, r.layout.nodes, r.layout.procs_per_node))
 
-    nccl = ["--moe_comm.backend", "nccl", "--training.local_batch_size", "8"]
+    nccl = ["--moe_comm.backend", "nccl", "--training.local_batch_size", "16",
+            "--parallelism.pipeline_parallel_expert_parallel_overlap", "false"]
     off = name(*nccl, "--moe_comm.overlap", "none")
-    assert off == "deepseek_v3_671b_b200-nccl-32x8-ep32-pp8-b8x4096"  # names from before overlap stay
-    assert name(*nccl, "--moe_comm.overlap", "chunked") == "deepseek_v3_671b_b200-nccl-chunked-32x8-ep32-pp8-b8x4096"
+    assert off == "deepseek_v3_671b_b200-nccl-32x8-ep32-pp8-b16x4096"  # names from before overlap stay
+    assert name(*nccl, "--moe_comm.overlap", "chunked") == "deepseek_v3_671b_b200-nccl-chunked-32x8-ep32-pp8-b16x4096"
 
 
 def test_step_line_says_how_much_was_hidden():

@@ -362,21 +362,44 @@ def test_the_bubble_is_the_schedules_of_the_step_terms():
         scale_model.predict("nvshmem", replace(w, local_batch=9), Cluster(gpu, 2, 8, 400.0, 50.0), hand_calibration())
 
 
-def test_dualpipev_overlap_needs_its_schedule_and_no_ac():
+def test_dualpipev_overlap_prices_its_pairs_as_the_microbatch_overlap_with_any_ac():
+    """DualPipeV's EP overlap runs TorchTitan's overlap callback with the same sync points as
+    [moe_comm] overlap = "microbatch" (moe_comm.titan.overlap), and our recompute is comm-free, so
+    it runs under AC too (moe_comm.titan.parallelize lifts TorchTitan's refusal; the PP 2 x EP 2
+    CPU training with full AC matches the plain schedule bit for bit): its overlapped pairs (rank
+    0's of torch's DualPipeV lists) hide each MoE layer's transfers as the microbatch overlap's do,
+    and the rest expose theirs. It needs the DualPipeV schedule."""
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 
     a = deepseekv3_args["16B"]
+    cal = hand_calibration()
     gpu = GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0)
     cluster = Cluster(gpu, 2, 8, 400.0, 50.0)
     lay = Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
-    w = Workload("16B", a, lay, 16, 4096, 1, "none", (), "random", num_sms=20, pp_schedule="DualPipeV")
-    plain = scale_model.predict("nvshmem", w, cluster, hand_calibration())
-    ep = scale_model.predict("nvshmem", replace(w, overlap="dualpipev"), cluster, hand_calibration())
-    assert ep.terms_ms["moe comm"] < plain.terms_ms["moe comm"] and ep.overlapped_ms["moe comm"] > 0
-    # the pairs torch's DualPipeV runs overlapped on rank 0: 2 (m - 2 pp + 1) + pp - 1 of 2 m chunks
-    assert ep.pipeline.overlapped_pairs == 2 * (16 - 8 + 1) + 3
-    with pytest.raises(ValueError, match="activation_checkpoint mode none"):
-        scale_model.predict("nvshmem", replace(w, overlap="dualpipev", ac_mode="full"), cluster, hand_calibration())
+    for ac in ("none", "full"):
+        w = Workload("16B", a, lay, 16, 4096, 1, ac, (), "random", num_sms=20, pp_schedule="DualPipeV")
+        plain = scale_model.predict("nvshmem", w, cluster, cal)
+        ep = scale_model.predict("nvshmem", replace(w, overlap="dualpipev"), cluster, cal)
+        assert ep.terms_ms["moe comm"] < plain.terms_ms["moe comm"] and ep.overlapped_ms["moe comm"] > 0
+        assert ep.moe_comm_ms == pytest.approx(plain.moe_comm_ms)  # the same transfers, none recomputed
+        # the pairs torch's DualPipeV runs overlapped on rank 0: 2 (m - 2 pp + 1) + pp - 1 of 2 m chunks
+        pipe = ep.pipeline
+        assert pipe.overlapped_pairs == 2 * (16 - 8 + 1) + 3
+        share = pipe.overlapped_pairs / (2 * 16)
+        # by hand for the busiest rank: what the pairs hide, per MoE layer and microbatch
+        comm_us = {t.name: t.time_us * 1e-3 for t in ep.comm.transfers}  # ms
+        busiest = max(estimate.pipeline_ranks(a, lay, 16, 1, "DualPipeV", None),
+                      key=lambda r: sum(sum(v) for v in layer_compute.rank_ms(
+                          cal.layer_bench, w, "H200", r.layers, r.embedding, r.output).terms.values()))
+        rc = layer_compute.rank_ms(cal.layer_bench, w, "H200", busiest.layers, busiest.embedding, busiest.output)
+        x = scale_model.microbatch_pair_exposure(comm_us, rc.moe_layer, 20 / 132)
+        L = sum(1 for i in busiest.layers if i >= a.n_dense_layers)
+        exposed = L * sum((1 - share) * (comm_us[f] + comm_us[g]) + share * x[t][0]
+                          for t, (f, g) in {"f": ("dispatch", "combine"),
+                                            "b": ("dispatch backward", "combine backward")}.items())
+        assert ep.terms_ms["moe comm"] / 16 == pytest.approx(exposed)
+    with pytest.raises(ValueError, match="needs pipeline_parallel_schedule DualPipeV"):
+        scale_model.predict("nvshmem", replace(w, pp_schedule="Interleaved1F1B", overlap="dualpipev"), cluster, cal)
 
 
 def test_the_backward_chunks_run_combines_backward_first():

@@ -39,6 +39,13 @@ BAD = [
     (["--training.dataloader.num_workers", "-1"], "[training.dataloader] num_workers = -1"),
     (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2",
       "--parallelism.pipeline_parallel_microbatch_size", "3"], "pipeline_parallel_microbatch_size = 3"),
+    # torch's schedules refuse these microbatch counts when they are built, on every rank
+    (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+      "DualPipeV", "--training.local_batch_size", "2"], "'DualPipeV' needs at least 4 microbatches"),
+    (["--nproc-per-node", "8", "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
+      "1F1B", "--training.local_batch_size", "3"], "'1F1B' needs at least 4 microbatches"),
+    (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+      "Interleaved1F1B", "--training.local_batch_size", "5"], "multiple of the 2 rounds"),
 ]
 
 

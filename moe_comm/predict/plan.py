@@ -13,7 +13,8 @@ The search space (TorchTitan 0.2.2 with our EP hook, which takes no TP; no CP, n
   * the EP degree (a divisor of dp_shard and of the experts, at least one node's GPUs or the
     recipe's own), which sets the EP / FSDP split of the experts (efsdp = dp_shard / ep);
   * the MoE overlap: none, chunked and microbatch ([moe_comm] overlap; microbatch with
-    Interleaved1F1B), and DualPipeV's own (with AC none, as TorchTitan requires).
+    Interleaved1F1B), and DualPipeV's own, with every AC mode (TorchTitan refuses AC there; our
+    recompute is comm-free, and moe_comm.titan.parallelize lifts the refusal).
 A layout is kept for a backend when its `check_run` accepts it (moe_comm.predict.scale_model's
 refusal) and the memory estimate (moe_comm.predict.scale_model.memory: the pipeline rank that
 holds the most, with what the backend's comm-free recompute keeps) plus the backend's symmetric
@@ -224,7 +225,7 @@ def layouts(req: Request) -> list[Layout]:
             if lb % mb or not _pipeline_ok(name, pp, lb // mb, v):
                 continue
             overlaps = (("none", "chunked") + (("microbatch",) if name == "Interleaved1F1B" and ep > 1 else ())
-                        + (("dualpipev",) if name == "DualPipeV" and ac == "none" else ()))
+                        + (("dualpipev",) if name == "DualPipeV" else ()))
             for ov in overlaps:
                 lay = Layout(pp, name, per_stage, v, mb, lb, ac, ep, ov)
                 if _kept(lay, keep):

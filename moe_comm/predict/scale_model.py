@@ -27,7 +27,8 @@ or layout kernels per expert row. Which backends the model refuses for a workloa
 `check_run` refuses before launch. TorchTitan 0.2.2 runs dispatch and combine on the compute
 stream, so MoE communication is exposed unless an overlap hides it ("chunked" behind the same
 layer's experts, "microbatch" behind another microbatch's layer in Interleaved1F1B's overlapped
-pairs, DualPipeV's in its own); FSDP's collectives overlap compute except the first all-gather
+pairs, DualPipeV's in its own pairs, priced alike: both run TorchTitan's overlap callback with the
+same sync points); FSDP's collectives overlap compute except the first all-gather
 and the last reduce-scatter, and take their share of the NIC from the EP transfers beside them.
 
 Every prediction is made at one scenario of the unmeasured inputs (assumptions.SCENARIOS:
@@ -619,9 +620,8 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
     cluster = replace(cluster, network_efficiency=inputs.network_efficiency)
     ranks = estimate.pipeline_ranks(a, lay, w.local_batch, w.microbatch, w.pp_schedule, w.layers_per_stage)
     pipe = ranks[0].pipe
-    if w.overlap == "dualpipev" and (pipe.name != "DualPipeV" or w.ac_mode != "none"):
-        raise ValueError("the DualPipeV expert-parallel overlap needs pipeline_parallel_schedule DualPipeV and "
-                         "activation_checkpoint mode none (TorchTitan refuses it with AC)")
+    if w.overlap == "dualpipev" and pipe.name != "DualPipeV":
+        raise ValueError("the DualPipeV expert-parallel overlap needs pipeline_parallel_schedule DualPipeV")
     if w.overlap == "microbatch" and (pipe.name != "Interleaved1F1B" or lay.pp == 1):
         raise ValueError("the microbatch overlap runs pipeline_parallel_schedule Interleaved1F1B with PP "
                          "(moe_comm.titan.pipeline)")
@@ -680,24 +680,15 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
                                       sm_share)
             hidden = {"f": fwd_all - ef, "b": bwd_all - eb}
             slow = {"f": sf, "b": sb}
-        elif w.overlap == "microbatch":
-            # the rank's share of forward and backward microbatch-stages in an overlapped pair
-            share = pipe.microbatch_pairs(rank.rank) / (pipe.microbatches * pipe.v)
+        elif w.overlap in ("microbatch", "dualpipev"):
+            # the rank's share of forward and backward microbatch-stages in an overlapped pair; both
+            # run TorchTitan's overlap callback with the same sync points (moe_comm.titan.overlap)
+            pairs = pipe.microbatch_pairs(rank.rank) if w.overlap == "microbatch" else pipe.overlapped_pairs
+            share = pairs / (pipe.microbatches * pipe.v)
             x = microbatch_pair_exposure({t.name: t.time_us * 1e-6 for t in comm.transfers}, layer, sm_share)
             hidden = {"f": share * (fwd_all - x["f"][0]), "b": share * (bwd_all - x["b"][0])}
             slow = {"f": share * x["f"][1], "b": share * x["b"][1]}
             host = {k: (1 - share) * v + share * min(v, x[k][0]) for k, v in host.items()}
-        elif w.overlap == "dualpipev":
-            # in an OVERLAP_F_B pair each of the forward chunk's comm ops runs beside half of the
-            # backward chunk's layer compute, and the other way round (TorchTitan alternates one
-            # compute and one comm op of the two threads)
-            layer_f = (gemm + attn + mem) / max(n_layers, 1)
-            layer_b = 2 * layer_f
-            share = pipe.overlapped_pairs / (2 * pipe.microbatches)
-            ef, sf = (sum(c) for c in zip(*(pair_cost(t, layer_b / 2, sm_share) for t in (t_d, t_c))))
-            eb, sb = (sum(c) for c in zip(*(pair_cost(t, layer_f / 2, sm_share) for t in (t_cb, t_db))))
-            hidden = {"f": share * (fwd_all - ef), "b": share * (bwd_all - eb)}
-            slow = {"f": share * sf, "b": share * sb}
         L = sum(1 for i in rank.layers if i >= a.n_dense_layers)
         again = 1.0 if w.comm_recomputed else 0.0  # TorchTitan's full AC runs the forward's transfers again
         moe_f = L * (fwd_all - hidden["f"])
