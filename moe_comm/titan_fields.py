@@ -10,6 +10,7 @@ profiling, validation) are checked only when it is on, as TorchTitan reads them 
 
 from moe_comm.errors import RecipeError
 from moe_comm.layout import Layout
+from moe_comm.predict.schedule import torch_refuses
 
 
 def _at_least(section: str, name: str, value: int, low: int, why: str) -> None:
@@ -125,22 +126,15 @@ def check(config, layout: Layout) -> None:
 
 
 def _check_microbatches(schedule: str, pp: int, local_batch: int, mb: int) -> None:
-    """torch.distributed.pipelining's refusals of a microbatch count at schedule construction
-    (Schedule1F1B, ScheduleDualPipeV, the interleaved schedules' rounds), in the recipe's fields."""
-    m, name = local_batch // mb, schedule.lower()
-    least = {"1f1b": pp, "dualpipev": 2 * pp}.get(name, 0)  # the stages: pp, and 2 per rank in a V
-    fields = (f"[training] local_batch_size = {local_batch} / [parallelism] pipeline_parallel_microbatch_size "
-              f"= {mb} gives {m} microbatches")
-    if m < least:
-        raise RecipeError(
-            f"[parallelism] pipeline_parallel_schedule = {schedule!r} needs at least {least} microbatches per "
-            f"step (one per stage; torch refuses fewer) and {fields}: raise local_batch_size to {least * mb}"
-        )
-    rounds = max(1, m // pp)
-    if name in ("interleaved1f1b", "interleavedzerobubble") and m % rounds:
-        fit = m // rounds * rounds
-        raise RecipeError(
-            f"[parallelism] pipeline_parallel_schedule = {schedule!r} runs the microbatches in rounds of "
-            f"pipeline_parallel_degree = {pp}, so their count must be a multiple of the {rounds} rounds (torch "
-            f"refuses others), and {fields}: set local_batch_size to {fit * mb} or {(fit + rounds) * mb}"
-        )
+    """The microbatch counts torch's schedules refuse (moe_comm.predict.schedule.torch_refuses),
+    in the recipe's fields, with the nearest larger local batch it takes."""
+    m = local_batch // mb
+    refused = torch_refuses(schedule, pp, m)
+    if not refused:
+        return
+    fit = next(n for n in range(m + 1, 2 * m + 2 * pp + 1) if not torch_refuses(schedule, pp, n))
+    raise RecipeError(
+        f"[parallelism] pipeline_parallel_schedule = {schedule!r} {refused}, and [training] local_batch_size = "
+        f"{local_batch} / [parallelism] pipeline_parallel_microbatch_size = {mb} gives {m}: set local_batch_size "
+        f"to {fit * mb}"
+    )

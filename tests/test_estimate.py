@@ -233,5 +233,5 @@ def test_memory_moves_with_the_schedule_and_microbatches():
     # no AC keeps every activation of every microbatch in flight
     assert act("1F1B", 8, "none").activations > 20 * act("1F1B", 8, "full").activations
     assert act("Interleaved1F1B", 32, layers_per_stage=2).stages_per_rank == 4
-    with pytest.raises(ValueError, match="1F1B needs at least pp = 8"):
+    with pytest.raises(ValueError, match="1F1B needs at least 8 microbatches per step"):
         act("1F1B", 4)

@@ -358,7 +358,7 @@ def test_the_bubble_is_the_schedules_of_the_step_terms():
     zb = scale_model.predict("nvshmem", replace(w, pp_schedule="InterleavedZeroBubble"),
                              Cluster(gpu, 2, 8, 400.0, 50.0), hand_calibration())
     assert zb.terms_ms["pp bubble"] < p.terms_ms["pp bubble"]
-    with pytest.raises(ValueError, match="needs the microbatches"):
+    with pytest.raises(ValueError, match="multiple of the 2 rounds"):
         scale_model.predict("nvshmem", replace(w, local_batch=9), Cluster(gpu, 2, 8, 400.0, 50.0), hand_calibration())
 
 

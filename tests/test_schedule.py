@@ -150,11 +150,11 @@ def test_one_stage_no_bubble():
 
 
 @pytest.mark.parametrize("pipe,match", [
-    (Pipeline("1F1B", 8, 4, 1), "1F1B needs at least pp = 8"),
-    (Pipeline("Interleaved1F1B", 4, 11, 2), "multiple of their rounds"),
+    (Pipeline("1F1B", 8, 4, 1), "1F1B needs at least 8 microbatches per step, one per stage"),
+    (Pipeline("Interleaved1F1B", 4, 11, 2), "multiple of the 2 rounds"),
     (Pipeline("InterleavedZeroBubble", 8, 4, 2), "modelled for at least pp = 8"),
     (Pipeline("ZBVZeroBubble", 4, 6, 2), "modelled for at least 2 x pp = 8"),
-    (Pipeline("DualPipeV", 4, 7, 2), "at least 2 x pp = 8"),
+    (Pipeline("DualPipeV", 4, 7, 2), "DualPipeV needs at least 8 microbatches"),
     (Pipeline("ZBVZeroBubble", 4, 8, 3), "cannot run 3 stages per rank"),
 ])
 def test_refusals(pipe, match):

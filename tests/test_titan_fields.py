@@ -41,11 +41,15 @@ BAD = [
       "--parallelism.pipeline_parallel_microbatch_size", "3"], "pipeline_parallel_microbatch_size = 3"),
     # torch's schedules refuse these microbatch counts when they are built, on every rank
     (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-      "DualPipeV", "--training.local_batch_size", "2"], "'DualPipeV' needs at least 4 microbatches"),
+      "DualPipeV", "--training.local_batch_size", "2"],
+     "'DualPipeV' needs at least 4 microbatches per step, one per stage (torch refuses 2), and [training] "
+     "local_batch_size = 2 / [parallelism] pipeline_parallel_microbatch_size = 1 gives 2: set local_batch_size to 4"),
     (["--nproc-per-node", "8", "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
-      "1F1B", "--training.local_batch_size", "3"], "'1F1B' needs at least 4 microbatches"),
+      "1F1B", "--training.local_batch_size", "3"], "'1F1B' needs at least 4 microbatches per step"),
     (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-      "Interleaved1F1B", "--training.local_batch_size", "5"], "multiple of the 2 rounds"),
+      "Interleaved1F1B", "--training.local_batch_size", "5"],
+     "multiple of the 2 rounds (torch refuses 5), and [training] local_batch_size = 5 / [parallelism] "
+     "pipeline_parallel_microbatch_size = 1 gives 5: set local_batch_size to 6"),
 ]
 
 

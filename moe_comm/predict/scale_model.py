@@ -660,7 +660,6 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
         """Seconds per microbatch on one rank, each as (f, bi, bw)."""
         measured = computed[rank.rank]
         terms = measured.seconds()
-        gemm, attn, mem = (terms[t][0] for t in ("gemm", "attention", "memory-bound"))
         rec = {t: v / 1e3 for t, v in measured.recompute.items()}
         layer = {p: tuple(x / 1e3 for x in v) for p, v in measured.moe_layer.items()}
         shared, experts = layer["shared_expert"][0], layer["experts"][0]

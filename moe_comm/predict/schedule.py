@@ -125,6 +125,21 @@ def rank_stages(schedule: str, pp: int, v: int, rank: int) -> tuple[int, ...]:
     return tuple(rank + s * pp for s in range(v))
 
 
+def torch_refuses(schedule: str, pp: int, microbatches: int) -> str:
+    """Why torch.distributed.pipelining refuses this many microbatches per step when it builds the
+    schedule (Schedule1F1B and ScheduleDualPipeV: fewer than their stages; the interleaved
+    schedules: a count their rounds do not divide), or "" where it takes them."""
+    s, m = canonical(schedule), microbatches
+    least = {"1F1B": pp, "DualPipeV": 2 * pp}.get(s, 0)  # the stages: pp, and 2 per rank in a V
+    if m < least:
+        return f"needs at least {least} microbatches per step, one per stage (torch refuses {m})"
+    rounds = max(1, m // pp)
+    if s in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
+        return (f"runs the microbatches in rounds of pp = {pp}, so their count must be a multiple of the "
+                f"{rounds} rounds (torch refuses {m})")
+    return ""
+
+
 @dataclass(frozen=True)
 class Pipeline:
     schedule: str
@@ -139,15 +154,11 @@ class Pipeline:
             raise ValueError(f"{m} microbatches: local_batch_size / pipeline_parallel_microbatch_size must be >= 1")
         if s in SINGLE_STAGE and v != 1 or s not in SINGLE_STAGE and v < 2 or s in V_SHAPED and v != 2:
             raise ValueError(f"{s} cannot run {v} stages per rank")
-        if s == "1F1B" and m < pp:
-            raise ValueError(f"1F1B needs at least pp = {pp} microbatches per step (torch refuses {m})")
-        if s in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
-            raise ValueError(f"{s} needs the microbatches ({m}) to be a multiple of their rounds "
-                             f"({max(1, m // pp)} = microbatches // pp; torch refuses it)")
+        refused = torch_refuses(s, pp, m)
+        if refused:
+            raise ValueError(f"{s} {refused}")
         if s == "InterleavedZeroBubble" and m < pp:
             raise ValueError(f"InterleavedZeroBubble is modelled for at least pp = {pp} microbatches, not {m}")
-        if s == "DualPipeV" and m < 2 * pp:
-            raise ValueError(f"DualPipeV needs at least 2 x pp = {2 * pp} microbatches (torch refuses {m})")
         if s == "ZBVZeroBubble" and m < 2 * pp:
             raise ValueError(f"ZBVZeroBubble is modelled for at least 2 x pp = {2 * pp} microbatches, not {m}")
 
