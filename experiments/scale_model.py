@@ -48,6 +48,8 @@ GB = 1e9
 # The global batch range the flagship is planned in: up to Megatron-Bridge's DeepSeek-V3 global
 # batch on 256 GPUs (2048 x 4096 tokens).
 PLAN_TOKENS = "1M-8M"
+# The flagship's option that meets issue 37's targets by the model (its header says why it is off)
+FP8_COMBINE_GRAD = ("--moe_comm.combine_grad_dtype", "fp8")
 
 
 def fmt(x, nd=0):
@@ -82,8 +84,8 @@ def _plan_rows(req, cal, top):
     return rows, time.process_time() - t0
 
 
-def _recipe_prediction(path, cal):
-    r = recipe.load(str(REPO / path), [], device="cuda", check_paths=False)
+def _recipe_prediction(path, cal, overrides=()):
+    r = recipe.load(str(REPO / path), list(overrides), device="cuda", check_paths=False)
     w = scale_model.workload_from_recipe(r)
     cluster = scale_model.cluster_for("B200", r.layout.nodes, r.layout.procs_per_node, cal)
     mc = r.config.moe_comm
@@ -175,28 +177,37 @@ def plan_section(cal, lines, data):
         row = top[0]
         lines.append(f"| {LABEL[backend]} | {rng(row.span)} | {row.memory_gib:.0f} | {plan_verb.describe(row)} | "
                      f"`{' '.join(row.overrides)}` |")
-    # the targets, on the recipe as shipped
-    _, w, cluster, ours = _recipe_prediction(FLAGSHIP, cal)
+    # the targets, on the recipe as shipped and with the output gradient sent in FP8
     best = rows["nvshmem"][0]
     drift = best.overrides != ["--moe_comm.backend", "nvshmem"]
-    mem = scale_model.memory(w, "nvshmem").total / estimate.GiB + plan_verb.planner._heap_gib(kept, w)
-    spans = [tuple(p.moe_exposed_share for p in (ours.low, ours.central, ours.high)), ours.span(),
-             (mem / 178.4,) * 3]
     shipped = (f"**The recipe is no longer the plan's best nvshmem layout** (the first nvshmem row above needs "
                f"`{' '.join(best.overrides)}`): re-plan it. " if drift else
                "The recipe as shipped (the table's first nvshmem row: no override but the backend) ")
     lines += ["", "### Issue 37's targets, against the model's predictions (not measurements)", "",
-              f"{shipped}`{FLAGSHIP}`, central (pessimistic-optimistic):", "",
-              "| target | predicted | bound | met by the central value | met at both ends |", "| --- | --- | --- | --- | --- |"]
-    for (name, op, bound), span in zip(TARGETS, spans):
-        lo, mid, hi = span
+              f"{shipped}`{FLAGSHIP}`, central (pessimistic-optimistic), and the same with "
+              f"`{' '.join(FP8_COMBINE_GRAD)}` (the output gradient to the experts in e4m3: its 300 steps of real "
+              "text on one H200 ended within 0.5% of bf16's loss, results/fp8_dispatch_accuracy.md; the recipe keeps "
+              "bf16 so that switching `backend` to nccl or deepep, which refuse it, stays one line):", "",
+              "| target | bound | predicted | met by the central value | met at both ends | predicted, fp8 output "
+              "gradient | met by the central value | met at both ends |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    variants = {"shipped": [], "fp8_combine_grad": list(FP8_COMBINE_GRAD)}
+    spans = {}
+    for variant, overrides in variants.items():
+        _, w, cluster, ours = _recipe_prediction(FLAGSHIP, cal, overrides)
+        mem = scale_model.memory(w, "nvshmem").total / estimate.GiB + plan_verb.planner._heap_gib(kept, w)
+        spans[variant] = [tuple(p.moe_exposed_share for p in (ours.low, ours.central, ours.high)), ours.span(),
+                          (mem / 178.4,) * 3]
+    for i, (name, op, bound) in enumerate(TARGETS):
         ok = (lambda v: v >= bound) if op == ">=" else (lambda v: v <= bound)
         share = bound < 1
         show = (lambda v: f"{v:.0%}") if share else (lambda v: f"{v:,.0f}")
-        shown = show(mid) if lo == mid == hi else f"{show(mid)} ({show(min(lo, hi))}-{show(max(lo, hi))})"
-        lines.append(f"| {name} | {shown} | {op} {bound:.0%} |" if share else f"| {name} | {shown} | {op} {bound:,.0f} |")
-        lines[-1] += f" {'yes' if ok(mid) else 'NO'} | {'yes' if ok(lo) and ok(hi) else 'NO'} |"
-    data["targets"] = {t[0]: s for t, s in zip(TARGETS, spans)}
+        lines.append(f"| {name} | {op} {bound:.0%} |" if share else f"| {name} | {op} {bound:,.0f} |")
+        for variant in variants:
+            lo, mid, hi = spans[variant][i]
+            shown = show(mid) if lo == mid == hi else f"{show(mid)} ({show(min(lo, hi))}-{show(max(lo, hi))})"
+            lines[-1] += f" {shown} | {'yes' if ok(mid) else 'NO'} | {'yes' if ok(lo) and ok(hi) else 'NO'} |"
+    data["targets"] = {t[0]: s for t, s in zip(TARGETS, spans["shipped"])}
+    data["targets_fp8_combine_grad"] = {t[0]: s for t, s in zip(TARGETS, spans["fp8_combine_grad"])}
     lines.append("")
 
 
