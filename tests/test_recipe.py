@@ -134,7 +134,8 @@ def test_deepep_with_grouped_mm_converter():
     with pytest.raises(recipe.RecipeError, match=r"backend = \"deepep\" does not pad"):
         recipe.load(
             "recipes/deepseek_v3_671b_b200_mxfp8.toml",
-            ["--moe_comm.backend", "deepep", "--moe_comm.dispatch_dtype", "bf16", "--cluster.container_image", "img"],
+            ["--moe_comm.backend", "deepep", "--moe_comm.dispatch_dtype", "bf16", "--moe_comm.combine_grad_dtype", "bf16",
+             "--cluster.container_image", "img"],
             device="cuda", check_paths=False,
         )
 
