@@ -10,7 +10,6 @@ profiling, validation) are checked only when it is on, as TorchTitan reads them 
 
 from moe_comm.errors import RecipeError
 from moe_comm.layout import Layout
-from moe_comm.predict.schedule import torch_refuses
 
 
 def _at_least(section: str, name: str, value: int, low: int, why: str) -> None:
@@ -125,9 +124,25 @@ def check(config, layout: Layout) -> None:
         _at_least("validation", "seq_len", v.seq_len, 1, "tokens per validation row")
 
 
+def torch_refuses(schedule: str, pp: int, microbatches: int) -> str:
+    """Why torch.distributed.pipelining refuses this many microbatches per step when it builds the
+    schedule (Schedule1F1B and ScheduleDualPipeV: fewer than their stages; the interleaved
+    schedules: a count their rounds do not divide), or "" where it takes them. The recipe check
+    and the schedule model (moe_comm.predict.schedule) both ask it."""
+    name, m = schedule.lower(), microbatches
+    least = {"1f1b": pp, "dualpipev": 2 * pp}.get(name, 0)  # the stages: pp, and 2 per rank in a V
+    if m < least:
+        return f"needs at least {least} microbatches per step, one per stage (torch refuses {m})"
+    rounds = max(1, m // pp)
+    if name in ("interleaved1f1b", "interleavedzerobubble") and m % rounds:
+        return (f"runs the microbatches in rounds of pp = {pp}, so their count must be a multiple of the "
+                f"{rounds} rounds (torch refuses {m})")
+    return ""
+
+
 def _check_microbatches(schedule: str, pp: int, local_batch: int, mb: int) -> None:
-    """The microbatch counts torch's schedules refuse (moe_comm.predict.schedule.torch_refuses),
-    in the recipe's fields, with the nearest larger local batch it takes."""
+    """The microbatch counts torch's schedules refuse (torch_refuses), in the recipe's fields, with
+    the nearest larger local batch it takes."""
     m = local_batch // mb
     refused = torch_refuses(schedule, pp, m)
     if not refused:

@@ -43,6 +43,8 @@ gradient back; in the V schedules the boundary at the V's turn stays on one rank
 import math
 from dataclasses import dataclass
 
+from moe_comm.titan_fields import torch_refuses
+
 SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SINGLE_STAGE = ("1F1B",)
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
@@ -123,21 +125,6 @@ def rank_stages(schedule: str, pp: int, v: int, rank: int) -> tuple[int, ...]:
     if canonical(schedule) in V_SHAPED:
         return (rank, 2 * pp - 1 - rank)
     return tuple(rank + s * pp for s in range(v))
-
-
-def torch_refuses(schedule: str, pp: int, microbatches: int) -> str:
-    """Why torch.distributed.pipelining refuses this many microbatches per step when it builds the
-    schedule (Schedule1F1B and ScheduleDualPipeV: fewer than their stages; the interleaved
-    schedules: a count their rounds do not divide), or "" where it takes them."""
-    s, m = canonical(schedule), microbatches
-    least = {"1F1B": pp, "DualPipeV": 2 * pp}.get(s, 0)  # the stages: pp, and 2 per rank in a V
-    if m < least:
-        return f"needs at least {least} microbatches per step, one per stage (torch refuses {m})"
-    rounds = max(1, m // pp)
-    if s in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
-        return (f"runs the microbatches in rounds of pp = {pp}, so their count must be a multiple of the "
-                f"{rounds} rounds (torch refuses {m})")
-    return ""
 
 
 @dataclass(frozen=True)
