@@ -7,6 +7,8 @@ reference):
     chunked    [moe_comm] overlap = "chunked"
     dualpipev  DualPipeV's EP overlap: TorchTitan's overlap callback and our sync points
                (needs pipeline_parallel_schedule = "DualPipeV" and EP)
+    dualpipev+chunked  the same, with [moe_comm] overlap = "chunked": the forwards outside a
+               pair chunked
     microbatch [moe_comm] overlap = "microbatch": Interleaved1F1B's steady state overlapped
                (moe_comm.titan.pipeline; launch with overlap "microbatch" and that schedule,
                the plain variant then runs torch's own Interleaved1F1B lists)
@@ -117,12 +119,13 @@ def _set_variant(trainer: Trainer, variant: str) -> None:
                 block.checkpoint_fn = built if on else _no_checkpoint
         for module in part.modules():
             if isinstance(module, TokenLevelMoE):
-                module.sync_points = variant in ("dualpipev", "microbatch")
-                module.comm_backend.config.overlap = variant if variant in ("chunked", "microbatch") else "none"
+                module.sync_points = variant in ("dualpipev", "dualpipev+chunked", "microbatch")
+                module.comm_backend.config.overlap = {"chunked": "chunked", "dualpipev+chunked": "chunked",
+                                                      "microbatch": "microbatch"}.get(variant, "none")
     schedule = getattr(trainer, "pp_schedule", None)
     functions = getattr(schedule, "_comp_type_to_function_map", None)
     if functions is not None:
-        if variant == "dualpipev":
+        if variant in ("dualpipev", "dualpipev+chunked"):
             functions[OVERLAP_F_B] = overlap_callback
         elif variant == "microbatch":
             functions[OVERLAP_F_B] = _counted_overlap_f_b

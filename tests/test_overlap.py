@@ -285,6 +285,54 @@ def test_dual_pipe_v_sync_points_sit_around_dispatch_and_combine(world_of_one, m
         coordinator.disable_coordination()
 
 
+def test_chunked_outside_a_pair_meets_once_per_point_in_a_paired_backward(world_of_one, monkeypatch):
+    """DualPipeV with [moe_comm] overlap = "chunked": a forward outside a pair runs chunked and
+    meets nowhere; its backward, run in a pair, meets once per sync point as a one-chunk call's:
+    C after both chunks' combine backwards, B before both dispatch backwards."""
+    from torchtitan.distributed import dual_pipe_v
+    from moe_comm.metrics import instrumented
+
+    moe, _ = _recorded_layer(monkeypatch, dual_pipe_v=True, overlap_mode="chunked")
+    coordinator = dual_pipe_v._hook_coordinator
+    order = []
+    monkeypatch.setattr(coordinator, "barrier", lambda: order.append("|"))
+    for name in ("begin", "end"):
+        real = getattr(instrumented._BackwardInterval, name)
+        monkeypatch.setattr(instrumented._BackwardInterval, name,
+                            lambda self, device, real=real, name=name: (order.append(f"{self.phase} {name}"),
+                                                                        real(self, device))[1])
+    assert not overlap.in_pair()
+    out = moe(torch.randn(1, 9, moe.experts.w1.shape[-1], requires_grad=True))
+    assert moe.comm_backend.calls == {"dispatch": 2, "combine": 2} and order == []  # chunked, no meeting
+    coordinator.enable_coordination(num_layers=2)  # the backward runs in a pair
+    try:
+        out.float().square().sum().backward()
+    finally:
+        coordinator.disable_coordination()
+    # the backward's first D has no partner (skipped); then C, B, A once each
+    assert order == ["combine_bwd begin", "combine_bwd end", "combine_bwd begin", "combine_bwd end", "|", "|",
+                     "dispatch_bwd begin", "dispatch_bwd end", "dispatch_bwd begin", "dispatch_bwd end", "|"]
+    # in a pair's forward half the same layer runs one chunk and meets the other thread
+    coordinator.enable_coordination(num_layers=2)
+    try:
+        assert overlap.chunks_for(chunked=True, sync_points=True) == 1
+    finally:
+        coordinator.disable_coordination()
+    assert overlap.chunks_for(chunked=True, sync_points=True) == overlap.CHUNKS
+    assert overlap.chunks_for(chunked=False, sync_points=True) == 1
+
+
+def test_a_chunked_backward_out_of_order_is_an_error():
+    """Should autograd ever run a dispatch backward before every combine backward of the call,
+    the meetings could not pair with the other thread's: an error, not two threads at once."""
+    c = overlap.Join(2, meets_last=True)
+    b = overlap.Join(2, meets_last=False, after=c)
+    assert c.meets() is False
+    with pytest.raises(RuntimeError, match="after 1 of its 2 combine backwards"):
+        b.meets()
+    assert c.meets() is True and b.meets() is True and b.meets() is False
+
+
 def test_backward_skips_only_its_first_d(monkeypatch):
     """TorchTitan's SyncHook skips a backward D while the forward thread has passed no D yet,
     which also catches the second D when the backward runs ahead; ours skips the first only."""
@@ -427,8 +475,8 @@ def test_check_run_overlap_rules():
     assert NcclBackend.check_run(_plan(dual_pipe_v=True, activation_checkpoint="full")) == []
     with pytest.raises(RecipeError, match=r'\[moe_comm\] overlap = "chunked".*"no-overlap"'):
         NoOverlapBackend.check_run(_plan(overlap="chunked"))
-    with pytest.raises(RecipeError, match=r'overlap = "chunked" and DualPipeV'):
-        NcclBackend.check_run(_plan(overlap="chunked", dual_pipe_v=True))
+    # the chunked overlap outside DualPipeV's pairs (moe_comm.titan.overlap.chunks_for)
+    assert NcclBackend.check_run(_plan(overlap="chunked", dual_pipe_v=True, activation_checkpoint="full")) == []
     interleaved = dict(overlap="microbatch", pp=2, pp_schedule="Interleaved1F1B")
     assert NcclBackend.check_run(_plan(**interleaved, activation_checkpoint="selective")) == []
     assert NcclBackend.check_run(_plan(overlap="microbatch")) == []  # pp and schedule unknown (a backend's build)
@@ -519,20 +567,25 @@ def _assert_variant_matches(ranks: list[dict], variant: str, exact: bool) -> Non
 
 def test_dual_pipe_v_and_chunked_match_plain_pp2_ep2(tmp_path):
     """DualPipeV with full activation checkpointing (now that its recompute is comm-free), each
-    step also run without the checkpoints."""
-    ranks = _train(tmp_path, "pp2_ep2", 4, "plain_noac,plain,dualpipev_noac,dualpipev,chunked_noac",
+    step also run without the checkpoints; and DualPipeV with [moe_comm] overlap = "chunked",
+    whose forwards outside a pair run chunked, with full AC, per-layer selective AC and none."""
+    both = ("dualpipev+chunked_noac", "dualpipev+chunked", "dualpipev+chunked_layerac")
+    ranks = _train(tmp_path, "pp2_ep2", 4, ",".join(("plain_noac", "plain", "dualpipev_noac", "dualpipev",
+                                                     "chunked_noac") + both),
                    "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                    "DualPipeV", "--training.local_batch_size", "4", "--activation_checkpoint.mode", "full")
     assert all(r["built_with_sync_points"] for r in ranks)  # parallelize wired DualPipeV's EP overlap
     for variant in ("plain", "dualpipev_noac", "dualpipev"):
         _assert_variant_matches(ranks, variant, exact=True)
-    _assert_variant_matches(ranks, "chunked_noac", exact=False)
+    for variant in ("chunked_noac",) + both:
+        _assert_variant_matches(ranks, variant, exact=False)
     # PP rank 1 holds stages 1 and 2 (two MoE layers each): its threads met at every sync point
     # (7 per overlapped forward/backward pair and thread, 3 pairs a step), and the backward
     # thread's recompute at none; PP rank 0's stage 0 has no MoE layer, so TorchTitan does not
-    # coordinate there
+    # coordinate there. With the forwards outside a pair chunked, the threads meet exactly as
+    # often: a chunked layer's backward meets once per sync point, whichever thread it runs in
     for rank, record in enumerate(ranks):
-        for variant in ("dualpipev_noac", "dualpipev"):
+        for variant in ("dualpipev_noac", "dualpipev") + both:
             barriers = [s["sync_barriers"] for s in record[variant]]
             assert barriers == ([42, 42] if rank >= 2 else [0, 0]), (rank, variant, barriers)
         assert all(s["sync_barriers"] == 0 for v in ("plain_noac", "plain", "chunked_noac") for s in record[v])
@@ -541,6 +594,12 @@ def test_dual_pipe_v_and_chunked_match_plain_pp2_ep2(tmp_path):
         per_step = record["plain_noac"][1]["calls"]
         assert per_step["dispatch"] > 0 and all(s["calls"] == per_step
                                                 for v in ("plain", "dualpipev_noac", "dualpipev") for s in record[v])
+        # ... and, chunked, twice where the forward ran outside a pair: on PP rank 0 everywhere
+        # (no pair coordinates), on PP rank 1 in 5 of its 8 stage-forwards (3 ran in a pair), of
+        # two MoE layers each: 3 x 2 + 5 x 2 x 2
+        chunked = {"dispatch": 8, "combine": 8} if rank < 2 else {"dispatch": 26, "combine": 26}
+        assert per_step == ({"dispatch": 4, "combine": 4} if rank < 2 else {"dispatch": 16, "combine": 16})
+        assert all(s["calls"] == chunked for v in both for s in record[v]), (rank, [record[v] for v in both])
 
 
 def test_microbatch_overlap_matches_plain_pp2_ep2(tmp_path):

@@ -70,10 +70,12 @@ def test_search_space_covers_every_schedule_and_stage_count():
     assert {s for s, _ in seen} == set(schedule.SCHEDULES)
     assert {v for s, v in seen if s == "Interleaved1F1B"} == {2, 4}  # 63 / layers_per_stage in {4, 2}
     overlaps = {lay.overlap for lay in planner.layouts(req)}
-    assert overlaps == {"none", "chunked", "microbatch", "dualpipev"}
-    # DualPipeV's EP overlap with every AC mode: our recompute is comm-free (TorchTitan refuses AC there)
-    assert {lay.ac for lay in planner.layouts(req) if lay.overlap == "dualpipev"} == {"none", "selective", "full"}
-    assert {lay.schedule for lay in planner.layouts(req) if lay.overlap == "dualpipev"} == {"DualPipeV"}
+    assert overlaps == {"none", "chunked", "microbatch", "dualpipev", "dualpipev+chunked"}
+    # DualPipeV's EP overlap (alone, or chunked outside its pairs) with every AC mode: our recompute
+    # is comm-free (TorchTitan refuses AC there)
+    for dual in scale_model.DUALPIPEV:
+        assert {lay.ac for lay in planner.layouts(req) if lay.overlap == dual} == {"none", "selective", "full"}
+        assert {lay.schedule for lay in planner.layouts(req) if lay.overlap == dual} == {"DualPipeV"}
     assert {lay.schedule for lay in planner.layouts(req) if lay.overlap == "microbatch"} == {"Interleaved1F1B"}
 
 
@@ -134,7 +136,8 @@ def test_check_names_the_plans_best_layout_when_the_recipe_is_slower(capsys, mon
     than 10% slower than the plan's best with EP 32 and its global batch kept: `check` says so,
     with the overrides."""
     monkeypatch.chdir(REPO)
-    old = ["--training.local_batch_size", "16", "--parallelism.pipeline_parallel_expert_parallel_overlap", "false"]
+    old = ["--training.local_batch_size", "16", "--parallelism.pipeline_parallel_expert_parallel_overlap", "false",
+           "--moe_comm.overlap", "none"]
     assert main(["check", "recipes/deepseek_v3_671b_b200.toml", "--skip-files", *old]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("plan "))
     assert "faster on this cluster with nvshmem, EP 32 and the global batch kept" in line

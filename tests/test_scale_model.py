@@ -402,6 +402,34 @@ def test_dualpipev_overlap_prices_its_pairs_as_the_microbatch_overlap_with_any_a
         scale_model.predict("nvshmem", replace(w, pp_schedule="Interleaved1F1B", overlap="dualpipev"), cluster, cal)
 
 
+def test_dualpipev_with_chunked_prices_the_unpaired_stages_chunked():
+    """DualPipeV's EP overlap with [moe_comm] overlap = "chunked" (moe_comm.titan.overlap): its
+    pairs as DualPipeV's alone, the microbatch-stages outside them as "chunked" (which the same
+    schedule without its EP overlap runs everywhere). The exposed MoE communication is the
+    pairs' share of the one and the rest's of the other, and the chunked weight work is the
+    rest's share of "chunked"'s."""
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    a = deepseekv3_args["16B"]
+    cal = hand_calibration()
+    cluster = Cluster(GPUSpec("H200", 1000.0, 2000.0, 4.0, 132, 400.0), 2, 8, 400.0, 50.0)
+    lay = Layout(16, 2, 8, 1, 4, 1, 1, 4, 4, 1)
+    for ac in ("none", "full"):
+        w = Workload("16B", a, lay, 16, 4096, 1, ac, (), "random", num_sms=20, pp_schedule="DualPipeV")
+        p = {o: scale_model.predict("nvshmem", replace(w, overlap=o), cluster, cal)
+             for o in ("none", "chunked", "dualpipev", "dualpipev+chunked")}
+        share = p["dualpipev"].pipeline.overlapped_pairs / (2 * 16)
+        assert 0 < share < 1
+        for term in ("moe comm", "chunked weight work"):
+            want = p["dualpipev"].terms_ms[term] - (1 - share) * (p["none"].terms_ms[term] - p["chunked"].terms_ms[term])
+            assert p["dualpipev+chunked"].terms_ms[term] == pytest.approx(want), (ac, term)
+        assert p["dualpipev+chunked"].terms_ms["moe comm"] < p["dualpipev"].terms_ms["moe comm"]
+        assert p["dualpipev+chunked"].moe_exposed_share < p["dualpipev"].moe_exposed_share
+    with pytest.raises(ValueError, match="needs pipeline_parallel_schedule DualPipeV"):
+        scale_model.predict("nvshmem", replace(w, pp_schedule="Interleaved1F1B", overlap="dualpipev+chunked"),
+                            cluster, cal)
+
+
 def test_the_backward_chunks_run_combines_backward_first():
     """Issue 34 item 6: under "chunked" the backward runs each op's backward in reverse, so the
     combines' backwards come first and the last dispatch backward stays exposed; with a slow

@@ -258,13 +258,6 @@ class CommBackend(ABC):
             )
         if o.overlap == "microbatch":
             cls.check_microbatch_overlap(run)
-        if run.dual_pipe_v and o.overlap != "none":
-            raise RecipeError(
-                f'[moe_comm] overlap = "{o.overlap}" and DualPipeV\'s EP overlap ([parallelism] '
-                'pipeline_parallel_schedule = "DualPipeV", pipeline_parallel_expert_parallel_overlap '
-                "= true) both hide the MoE communication, and their sync points conflict: set "
-                'overlap = "none" or pipeline_parallel_expert_parallel_overlap = false'
-            )
         if o.dispatch_dtype not in cls.dispatch_dtypes:
             raise RecipeError(
                 f'[moe_comm] dispatch_dtype = "{o.dispatch_dtype}" is the nvshmem backend\'s; backend '
@@ -307,7 +300,7 @@ class CommBackend(ABC):
                         "module in two threads (FSDP keeps one training state per module), and each "
                         "overlapped pair would wait for the next rank's backward of the same step",
                 "dualpipev": "DualPipeV overlaps its own microbatches (pipeline_parallel_expert_parallel_overlap, "
-                             'with [moe_comm] overlap = "none")',
+                             'with [moe_comm] overlap = "none", or "chunked" outside its pairs)',
             }.get(schedule, "its steady state is not 1F1B-shaped")
             raise RecipeError(
                 f'[moe_comm] overlap = "microbatch" runs the steady state of pipeline_parallel_schedule = '

@@ -13,7 +13,8 @@ The search space (TorchTitan 0.2.2 with our EP hook, which takes no TP; no CP, n
   * the EP degree (a divisor of dp_shard and of the experts, at least one node's GPUs or the
     recipe's own), which sets the EP / FSDP split of the experts (efsdp = dp_shard / ep);
   * the MoE overlap: none, chunked and microbatch ([moe_comm] overlap; microbatch with
-    Interleaved1F1B), and DualPipeV's own, with every AC mode (TorchTitan refuses AC there; our
+    Interleaved1F1B), and DualPipeV's own, alone or with the chunked overlap in the
+    microbatch-stages outside its pairs, with every AC mode (TorchTitan refuses AC there; our
     recompute is comm-free, and moe_comm.titan.parallelize lifts the refusal).
 A layout is kept for a backend when its `check_run` accepts it (moe_comm.predict.scale_model's
 refusal) and the memory estimate (moe_comm.predict.scale_model.memory: the pipeline rank that
@@ -225,7 +226,7 @@ def layouts(req: Request) -> list[Layout]:
             if lb % mb or not _pipeline_ok(name, pp, lb // mb, v):
                 continue
             overlaps = (("none", "chunked") + (("microbatch",) if name == "Interleaved1F1B" and ep > 1 else ())
-                        + (("dualpipev",) if name == "DualPipeV" else ()))
+                        + (scale_model.DUALPIPEV if name == "DualPipeV" else ()))
             for ov in overlaps:
                 lay = Layout(pp, name, per_stage, v, mb, lb, ac, ep, ov)
                 if _kept(lay, keep):
@@ -289,9 +290,9 @@ def overrides(req: Request, lay: Layout, choice: scale_model.Choice) -> list[str
                  ("--parallelism.pipeline_parallel_layers_per_stage", lay.layers_per_stage, r["layers_per_stage"])]
     if lay.schedule == "DualPipeV" and lay.pp > 1:
         want.append(("--parallelism.pipeline_parallel_expert_parallel_overlap",
-                     "true" if lay.overlap == "dualpipev" else "false",
+                     "true" if lay.overlap in scale_model.DUALPIPEV else "false",
                      "true" if r["dualpipe_overlap"] else "false"))
-    want.append(("--moe_comm.overlap", "none" if lay.overlap == "dualpipev" else lay.overlap, r["overlap"]))
+    want.append(("--moe_comm.overlap", scale_model.moe_comm_overlap(lay.overlap), r["overlap"]))
     out = []
     for flag, value, theirs in want:
         if value != theirs:
@@ -484,6 +485,7 @@ def differences(w: scale_model.Workload, ref: Reference = MEGATRON_BRIDGE_B200) 
                               "pairs (weight gradients not delayed into it)",
                 "chunked": "EP communication behind the same layer's experts only (chunked)",
                 "dualpipev": "DualPipeV's EP overlap",
+                "dualpipev+chunked": "DualPipeV's EP overlap (chunked outside its pairs)",
                 "none": "no EP overlap"}[w.overlap]
                + " against Megatron's EP overlap across microbatches with delayed weight gradients")
     out.append(f"AC {w.ac_mode} against Megatron's selective recompute")

@@ -138,7 +138,7 @@ class Workload:
     virtual_node_size: int = 0
     pp_schedule: str = "1F1B"
     layers_per_stage: int | None = None  # [parallelism] pipeline_parallel_layers_per_stage
-    overlap: str = "none"  # "none", "chunked", "microbatch" ([moe_comm] overlap) or "dualpipev" (DualPipeV's)
+    overlap: str = "none"  # "none", "chunked", "microbatch" ([moe_comm] overlap), or DualPipeV's (DUALPIPEV)
     # the dataset's document lengths (moe_comm.predict.documents), which a block-causal flavor's
     # attention follows; None: unknown, priced as one document per sequence
     documents: DocumentLengths | None = None
@@ -225,7 +225,7 @@ def overlap_for(config, layout) -> str:
     par = config.parallelism
     if (layout.pp > 1 and layout.ep > 1 and par.pipeline_parallel_schedule.lower() == "dualpipev"
             and par.pipeline_parallel_expert_parallel_overlap):
-        return "dualpipev"
+        return "dualpipev+chunked" if config.moe_comm.overlap == "chunked" else "dualpipev"
     return config.moe_comm.overlap
 
 
@@ -453,7 +453,15 @@ def _kernel_ops(transport: str, cal: Calibration) -> dict:
 # ------------------------------------------------------------------------------- the step
 
 
-OVERLAPS = ("none", "chunked", "microbatch", "dualpipev")
+OVERLAPS = ("none", "chunked", "microbatch", "dualpipev", "dualpipev+chunked")
+# DualPipeV's EP overlap: its pairs alone, or with the chunked overlap in the microbatch-stages
+# outside a pair ([moe_comm] overlap = "chunked" beside it: moe_comm.titan.overlap)
+DUALPIPEV = ("dualpipev", "dualpipev+chunked")
+
+
+def moe_comm_overlap(overlap: str) -> str:
+    """The [moe_comm] overlap a workload's overlap runs with (`overlap_for` backwards)."""
+    return {"dualpipev": "none", "dualpipev+chunked": "chunked"}.get(overlap, overlap)
 # the step's terms no GPU idle share applies to: waits on links and on other ranks, not launches
 WAITING_TERMS = ("moe comm", "tp comm", "pp p2p", "pp bubble", "fsdp exposed")
 
@@ -620,7 +628,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
     cluster = replace(cluster, network_efficiency=inputs.network_efficiency)
     ranks = estimate.pipeline_ranks(a, lay, w.local_batch, w.microbatch, w.pp_schedule, w.layers_per_stage)
     pipe = ranks[0].pipe
-    if w.overlap == "dualpipev" and pipe.name != "DualPipeV":
+    if w.overlap in DUALPIPEV and pipe.name != "DualPipeV":
         raise ValueError("the DualPipeV expert-parallel overlap needs pipeline_parallel_schedule DualPipeV")
     if w.overlap == "microbatch" and (pipe.name != "Interleaved1F1B" or lay.pp == 1):
         raise ValueError("the microbatch overlap runs pipeline_parallel_schedule Interleaved1F1B with PP "
@@ -639,8 +647,8 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
 
     notes: list[str] = []  # what the layer benchmark did not measure, and what stood in
     hbm_rate = cal.layout_hbm_efficiency * gpu.hbm_tbs * 1e12  # what the optimizer and copies reach
-    chunk_f, chunk_b = (b / hbm_rate for b in estimate.chunked_expert_bytes(a, lay)) if w.overlap == "chunked" \
-        else (0.0, 0.0)
+    chunk_f, chunk_b = (b / hbm_rate for b in estimate.chunked_expert_bytes(a, lay)) \
+        if w.overlap in ("chunked", "dualpipev+chunked") else (0.0, 0.0)
     computed = {r.rank: layer_compute.rank_ms(cal.layer_bench, w, gpu.name, r.layers, r.embedding, r.output,
                                               peak_share=inputs.peak_share, imbalance=factor) for r in ranks}
     for c in computed.values():
@@ -664,30 +672,49 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
         layer = {p: tuple(x / 1e3 for x in v) for p, v in measured.moe_layer.items()}
         shared, experts = layer["shared_expert"][0], layer["experts"][0]
         n_layers = len(rank.layers)
-        # one MoE layer: its comm, exposed and hidden, and the compute it can hide behind
+        # one MoE layer: its comm, exposed and hidden, and the compute it can hide behind, in
+        # each way a microbatch-stage can run it, weighted by the stages that run it so
         bwd = 1.0 if zero_bubble else 2.0  # the experts' backward beside the comm: dgrad (+ wgrad)
-        fwd_all, bwd_all = t_d + t_c, t_cb + t_db
-        hidden = {"f": 0.0, "b": 0.0}
-        slow = {"f": 0.0, "b": 0.0}
-        host = {"f": h_d + h_c, "b": h_cb + h_db}
-        if w.overlap == "chunked":
+        plain = {"fwd": t_d + t_c, "bwd": t_cb + t_db, "hidden": {"f": 0.0, "b": 0.0}, "slow": {"f": 0.0, "b": 0.0},
+                 "host": {"f": h_d + h_c, "b": h_cb + h_db}, "chunk_work": 0.0}
+
+        def chunked() -> dict:
             cd, cc, ccb, cdb = (_chunk_us(t) * 1e-6 for t in comm.transfers)
             fwd_all, bwd_all = 2 * (cd + cc), 2 * (ccb + cdb)  # what runs: every op twice, per chunk
-            host = {"f": 2 * host["f"], "b": 2 * host["b"]}
             ef, sf = overlap_exposure((cd, cd, cc, cc), (shared, experts / 2, experts / 2), sm_share)
             eb, sb = overlap_exposure((ccb, ccb, cdb, cdb), (bwd * shared, bwd * experts / 2, bwd * experts / 2),
                                       sm_share)
-            hidden = {"f": fwd_all - ef, "b": bwd_all - eb}
-            slow = {"f": sf, "b": sb}
-        elif w.overlap in ("microbatch", "dualpipev"):
+            return {"fwd": fwd_all, "bwd": bwd_all, "hidden": {"f": fwd_all - ef, "b": bwd_all - eb},
+                    "slow": {"f": sf, "b": sb}, "host": {k: 2 * v for k, v in plain["host"].items()},
+                    "chunk_work": 1.0}
+
+        def paired() -> dict:
+            x = microbatch_pair_exposure({t.name: t.time_us * 1e-6 for t in comm.transfers}, layer, sm_share)
+            return {"fwd": plain["fwd"], "bwd": plain["bwd"],
+                    "hidden": {"f": plain["fwd"] - x["f"][0], "b": plain["bwd"] - x["b"][0]},
+                    "slow": {"f": x["f"][1], "b": x["b"][1]},
+                    "host": {k: min(v, x[k][0]) for k, v in plain["host"].items()}, "chunk_work": 0.0}
+
+        if w.overlap == "chunked":
+            ways = [(1.0, chunked())]
+        elif w.overlap in ("microbatch",) + DUALPIPEV:
             # the rank's share of forward and backward microbatch-stages in an overlapped pair; both
-            # run TorchTitan's overlap callback with the same sync points (moe_comm.titan.overlap)
+            # run TorchTitan's overlap callback with the same sync points (moe_comm.titan.overlap);
+            # the others run unpaired: plainly, or chunked ("dualpipev+chunked")
             pairs = pipe.microbatch_pairs(rank.rank) if w.overlap == "microbatch" else pipe.overlapped_pairs
             share = pairs / (pipe.microbatches * pipe.v)
-            x = microbatch_pair_exposure({t.name: t.time_us * 1e-6 for t in comm.transfers}, layer, sm_share)
-            hidden = {"f": share * (fwd_all - x["f"][0]), "b": share * (bwd_all - x["b"][0])}
-            slow = {"f": share * x["f"][1], "b": share * x["b"][1]}
-            host = {k: (1 - share) * v + share * min(v, x[k][0]) for k, v in host.items()}
+            ways = [(share, paired()), (1 - share, chunked() if w.overlap == "dualpipev+chunked" else plain)]
+        else:
+            ways = [(1.0, plain)]
+
+        def blend(key, sub=None):
+            return sum(wt * (way[key] if sub is None else way[key][sub]) for wt, way in ways)
+
+        fwd_all, bwd_all = blend("fwd"), blend("bwd")
+        hidden = {k: blend("hidden", k) for k in ("f", "b")}
+        slow = {k: blend("slow", k) for k in ("f", "b")}
+        host = {k: blend("host", k) for k in ("f", "b")}
+        chunk_work = blend("chunk_work")
         L = sum(1 for i in rank.layers if i >= a.n_dense_layers)
         again = 1.0 if w.comm_recomputed else 0.0  # TorchTitan's full AC runs the forward's transfers again
         moe_f = L * (fwd_all - hidden["f"])
@@ -697,7 +724,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
         terms["moe comm"] = (moe_f, moe_b, 0.0)
         terms["comm SM contention"] = (slow_f, slow_b, 0.0)
         # the experts once per chunk: the weight gradients added, weights re-cast under autocast
-        terms["chunked weight work"] = (L * chunk_f, 0.0, L * chunk_b)
+        terms["chunked weight work"] = (L * chunk_work * chunk_f, 0.0, L * chunk_work * chunk_b)
         # TP (sequence parallel): all-gather + reduce-scatter around attention and the FFN,
         # forward and backward (and recompute), each moving the microbatch's activations once
         tp = 0.0
@@ -784,7 +811,8 @@ def comm_kept_per_layer(w: Workload, backend: str) -> float:
     if w.recompute_comm or w.ac_mode == "none" or w.layout.ep < 1:
         return 0.0
     kind = KEPT_BY_TRANSPORT[backend_class(backend).costs.transport]
-    overlap = w.overlap if w.overlap in ("none", "chunked", "microbatch") else "none"
+    # what a chunked call keeps is the larger: the stages outside DualPipeV's pairs may run chunked
+    overlap = moe_comm_overlap(w.overlap)
     return estimate.comm_kept_bytes(w.args, w.tokens_per_call, w.layout.ep, kind, overlap=overlap,
                                     recv_capacity_factor=w.recv_capacity_factor, ranks_per_node=w.ranks_per_node)
 
@@ -844,13 +872,14 @@ def run_plan_for(backend: str, w: Workload, dispatch_dtype: str = "bf16") -> Run
     a, lay = w.args, w.layout
     options = MoEComm(backend=backend, num_sms=w.num_sms, network_sms=w.network_sms,
                       virtual_node_size=w.virtual_node_size, dispatch_dtype=dispatch_dtype,
-                      overlap="none" if w.overlap == "dualpipev" else w.overlap, expert_dtype=w.expert_dtype,
+                      overlap=moe_comm_overlap(w.overlap),
+                      expert_dtype=w.expert_dtype,
                       combine_grad_dtype=w.combine_grad_dtype)
     return RunPlan(options=options, device="cuda", ep=lay.ep, ranks_per_node=lay.procs_per_node, nodes=lay.nodes,
                    num_experts=a.moe_args.num_experts, top_k=a.moe_args.top_k, hidden=a.dim,
                    score_before_experts=a.moe_args.score_before_experts, converters=tuple(w.converters),
                    python_env="the cluster the model prices", activation_checkpoint=w.ac_mode,
-                   dual_pipe_v=w.overlap == "dualpipev", pp=lay.pp, pp_schedule=w.pp_schedule)
+                   dual_pipe_v=w.overlap in DUALPIPEV, pp=lay.pp, pp_schedule=w.pp_schedule)
 
 
 def refusal(backend: str, w: Workload, dispatch_dtype: str = "bf16") -> str:

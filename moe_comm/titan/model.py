@@ -137,9 +137,10 @@ class TokenLevelMoE(MoE):
         chunked = self.comm_backend.config.overlap == "chunked"
         if chunked or self.sync_points:
             self._register_fsdp_chunks()
+            # decided by the forward, replayed by its recompute (which may run in another pair state)
+            chunks = recompute.choice("chunks", lambda: overlap.chunks_for(chunked, self.sync_points))
             out_TD = overlap.overlapped_moe(
-                self, x_TD, topk_idx_TK, topk_w_TK, chunks=overlap.CHUNKS if chunked else 1,
-                sync_points=self.sync_points,
+                self, x_TD, topk_idx_TK, topk_w_TK, chunks=chunks, sync_points=self.sync_points,
             )
             return out_TD.reshape(bs, slen, dim)
 

@@ -1,6 +1,6 @@
 """Hiding the MoE communication behind compute.
 
-Two ways, both driven from `TokenLevelMoE.forward` (moe_comm.titan.model):
+Two ways, and the two together, all driven from `TokenLevelMoE.forward` (moe_comm.titan.model):
 
 - `[moe_comm] overlap = "chunked"`: the layer's tokens split in two halves c0, c1 (token order;
   c0 takes the odd token). Communication runs on the process's comm stream C, expert compute
@@ -25,6 +25,16 @@ Two ways, both driven from `TokenLevelMoE.forward` (moe_comm.titan.model):
   the sync point and waits after it, so neither thread's wait covers the other thread's next
   work; autograd's own syncs at the backward's handoffs are made when a node returns, after the
   point, and may cover a little of it (a cost in overlap, never in correctness).
+- both: DualPipeV's EP overlap with `[moe_comm] overlap = "chunked"`. DualPipeV pairs most of a
+  rank's microbatch-stages, not its warmup forwards and cooldown backwards (at the flagship 23
+  of rank 0's 128), whose communication nothing else hides. There the forward runs chunked
+  (`chunks_for`: an MoE call outside a pair's forward half). Its backward may yet run in a pair
+  (a warmup forward's backward comes in the steady state), where the other thread expects one
+  meeting per sync point: the two chunks' handoffs at B and at C meet once (`Join`: C after the
+  last chunk's combine backward, B before the first chunk's dispatch backward), so the meetings
+  pair as a one-chunk call's would. Under activation checkpointing the forward's chunk count is
+  kept and replayed by its recompute (moe_comm.titan.recompute.choice), which may run inside a
+  pair although its forward did not.
 
 Why one comm stream per process, not one per layer: the nvshmem kernels share one set of
 symmetric buffers and per-kind call counters per process (csrc/runtime/buffers.h), so two of
@@ -136,18 +146,62 @@ class Streams:
                     t.record_stream(stream)
 
 
+def in_pair() -> bool:
+    """Whether this thread runs one half of an overlapped pipeline action now (TorchTitan's
+    overlap callback coordinates the two threads only then)."""
+    return dual_pipe_v._hook_coordinator.is_coordination_enabled()
+
+
+def chunks_for(chunked: bool, sync_points: bool) -> int:
+    """How many chunks an MoE call runs in: `chunked` ([moe_comm] overlap = "chunked") runs two,
+    except, under an overlap across microbatches (`sync_points`), in the forward half of an
+    overlapped pair, which runs one and meets the other thread at the sync points. So under
+    DualPipeV's EP overlap with "chunked", the microbatch-stages outside its pairs (the warmup and
+    cooldown) hide their communication behind their own experts."""
+    return CHUNKS if chunked and not (sync_points and in_pair()) else 1
+
+
+class Join:
+    """The chunks' handoffs at one sync point (B or C) of a chunked call whose backward may run in
+    an overlapped pair: that backward meets the other thread once per point, as a one-chunk
+    call's does, so the two threads' meetings stay paired. C meets after the last chunk's
+    combine backward, B before the first chunk's dispatch backward: every combine backward is
+    issued before the C meeting and every dispatch backward after the B meeting, as in a one-chunk
+    call. Autograd runs them in that order (each chunk's combine backward is created after the
+    other chunk's dispatch receipt); `after` (B's: the C join) makes any other order an error,
+    not two threads communicating at once."""
+
+    def __init__(self, chunks: int, meets_last: bool, after: "Join | None" = None):
+        self.chunks, self.meets_last, self.after = chunks, meets_last, after
+        self.passed = 0
+
+    def meets(self) -> bool:
+        """One chunk's backward passes the point: whether this pass is the one that meets."""
+        if self.after is not None and self.after.passed < self.after.chunks:
+            raise RuntimeError(
+                f"a chunked MoE call's backward reached its dispatch backward after {self.after.passed} of its "
+                f"{self.after.chunks} combine backwards: the sync points would pair wrongly with the other thread"
+            )
+        self.passed += 1
+        return self.passed == (self.chunks if self.meets_last else 1)
+
+
 @dataclass
 class Handoff:
     """One crossing between the streams: which comm op it belongs to (for the timing), the
-    sync point it is (None outside an overlap across microbatches), and where to report waits."""
+    sync point it is (None outside an overlap across microbatches), whether the forward meets
+    there too (a chunked call's forward runs outside a pair and meets nowhere), the chunks'
+    Join at B and C, and where to report waits."""
 
     streams: Streams
     op: str  # "dispatch" or "combine"
     sync_point: str | None
     record_wait: Callable[[str, Any, Any], None] | None  # the instrumented backend's, or None
+    forward_meets: bool = True
+    join: Join | None = None
 
     def sync_forward(self, ctx) -> None:
-        if self.sync_point is not None:
+        if self.sync_point is not None and self.forward_meets:
             dual_pipe_v.SyncHook.forward(ctx, None, self.sync_point)
 
     def sync_backward(self) -> None:
@@ -157,7 +211,7 @@ class Handoff:
         when it comes before the forward thread's first D, and then the threads' barriers shift
         by one and both threads communicate at once (seen on CPU). Here: the first D since
         TorchTitan's overlap callback enabled coordination (it makes a new barrier each time)."""
-        if self.sync_point is None:
+        if self.sync_point is None or (self.join is not None and not self.join.meets()):
             return
         coordinator = dual_pipe_v._hook_coordinator
         if self.sync_point == "D" and coordinator.is_coordination_enabled():
@@ -244,8 +298,9 @@ def from_comm(handoff: Handoff, *tensors, done=None) -> tuple:
 def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor,
                    chunks: int, sync_points: bool) -> torch.Tensor:
     """`moe`'s routed + shared experts output for x_TD, its comm overlapped (module doc):
-    `chunks` = 2 for "chunked", 1 with TorchTitan's sync points (`sync_points`: an overlap
-    across microbatches).
+    `chunks` (`chunks_for`) = 2 for "chunked", 1 in the forward half of an overlapped pair;
+    `sync_points`: under an overlap across microbatches, where the backward (and a one-chunk
+    forward) meets the other thread at TorchTitan's sync points.
 
     Every wait is on an event marked right after the op it waits for, so the issue order on the
     host only matters for the nccl backend (host syncs) and for the backward: autograd issues
@@ -260,18 +315,25 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
     # waits are reported for training steps only, as the instrument times only those
     record_wait = getattr(backend, "record_wait", None) if torch.is_grad_enabled() and not recomputing else None
     meet = sync_points and not recomputing
+    # one chunk under sync points: the forward half of a pair; more: outside any pair (chunks_for),
+    # where only the backward may run in a pair and meet
+    paired = sync_points and chunks == 1
+    joins = {}
+    if meet and chunks > 1:
+        joins["C"] = Join(chunks, meets_last=True)
+        joins["B"] = Join(chunks, meets_last=False, after=joins["C"])
 
     def handoff(op: str, point: str) -> Handoff:
-        return Handoff(streams, op, point if meet else None, record_wait)
+        return Handoff(streams, op, point if meet else None, record_wait, forward_meets=paired, join=joins.get(point))
 
     sizes = chunk_sizes(x_TD.shape[0], chunks)
     with streams.on_comm():
         # A: C waits for the router; the shared experts below are not in that wait
         x_comm, idx_comm, w_comm = to_comm(handoff("dispatch", "A"), x_TD, topk_idx_TK, topk_w_TK)
     # Issued before the dispatches, so S computes them while a host-syncing dispatch (nccl)
-    # waits for its counts. With sync points they come after combine, as TorchTitan's DualPipeV.
+    # waits for its counts. In a pair they come after combine, as TorchTitan's DualPipeV.
     shared_TD = None
-    if moe.shared_experts is not None and not sync_points:
+    if moe.shared_experts is not None and not paired:
         shared_TD = moe.shared_experts(x_TD)
     dispatched, dispatch_done = [], []
     with streams.on_comm():
@@ -288,7 +350,7 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
             return recompute.combine(backend, y_RD, dispatched[i].handle)
 
     chunks_in = [(d.recv_x_RD, d.tokens_per_expert_L) for d in dispatched]
-    if sync_points:
+    if paired:
         # B before the experts module (and its FSDP hooks), C and combine after it, as
         # TorchTitan's DualPipeExpertParallel places them
         chunks_in = [receive(i, *c) for i, c in enumerate(chunks_in)]
@@ -298,7 +360,7 @@ def overlapped_moe(moe, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK
         outs, _ = moe.experts.forward_chunks(chunks_in, streams, receive, send)
     outs = from_comm(handoff("combine", "D"), *outs)  # D: S waits for every combine
     routed_TD = torch.cat(outs) if chunks > 1 else outs[0]
-    if moe.shared_experts is not None and sync_points:
+    if moe.shared_experts is not None and paired:
         shared_TD = moe.shared_experts(x_TD)
     return routed_TD if shared_TD is None else shared_TD + routed_TD
 

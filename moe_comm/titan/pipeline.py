@@ -44,7 +44,8 @@ The action lists are torch's own Interleaved1F1B pipeline_order, with two change
     module in the backward's state would skip its hooks), and each stage is its own FSDP root.
     For the same reason 1F1B (one stage per rank) is refused (moe_comm.backends.base).
 What torch's lowering then adds (sends, receives, FSDP unshard/reshard, gradient reduction) is
-torch's. It replaces the chunked overlap: one chunk per MoE call, as DualPipeV.
+torch's. It replaces the chunked overlap: one chunk per MoE call (DualPipeV's overlap, unlike it, composes
+with "chunked" outside its pairs: moe_comm.titan.overlap).
 """
 
 import threading

@@ -55,7 +55,7 @@ from moe_comm.backends.base import DispatchResult
 
 
 class Frame:
-    """One checkpointed block's forward: the comm calls' results, in call order."""
+    """One checkpointed block's forward: the comm calls' results (and its `choice`s), in call order."""
 
     def __init__(self):
         self.kept: list[tuple[str, Any]] = []
@@ -161,6 +161,18 @@ def _take(op: str):
     _, result = frame.kept[frame.next]
     frame.next += 1
     return result
+
+
+def choice(name: str, choose: Callable[[], Any]) -> Any:
+    """`choose()`, a choice the forward makes from the moment's state (how many chunks a call
+    runs in, say), kept in a checkpointed forward and replayed in its recompute: the recompute
+    must make the same calls in the same order, whatever the state is then."""
+    if replaying():
+        return _take(name)
+    value = choose()
+    if _frames():
+        _frames()[-1].kept.append((name, value))
+    return value
 
 
 def dispatch(backend, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> DispatchResult:

@@ -28,9 +28,11 @@ check, because CPU ops have no streams.
   microbatches: one's forward beside the other's backward in two threads (as torch's
   OVERLAP_F_B runs them under TorchTitan's callback), against forward, backward, forward,
   backward in one thread, with activation checkpointing none and full (the backward thread's
-  recompute passes no sync point and calls no comm op): the losses and the accumulated
+  recompute passes no sync point and calls no comm op), and with overlap "none" and "chunked"
+  (DualPipeV's overlap with the chunked one outside its pairs: the first microbatch's forward
+  runs outside the pair, chunked, and its backward in the pair): the losses and the accumulated
   gradients agree (tolerances as above), the threads met at every sync point, and dispatch and
-  combine ran once per layer and microbatch.
+  combine ran once per layer, microbatch and chunk.
 
 All also run on CPU with the nccl backend (tests/test_overlap.py), where every stream
 operation is a no-op: that checks the cases themselves, not the streams.
@@ -336,13 +338,15 @@ def microbatch_layer_matches_plain(rank, world, device, make_backend):
               for m in range(2)]
     failures = []
     for grouped_mm, tol in ((False, 1e-4), (True, 2e-2)):
-        for ac in ("none", "full:2"):
+        for ac, mode in (("none", "none"), ("full:2", "none"), ("none", "chunked"), ("full:2", "chunked")):
             model, backends = _model(rank, world, device, make_backend, ac, grouped_mm)
             for block in model.layers.values():
                 if block.moe_enabled:
                     block.moe.sync_points = True
+            for backend in backends:
+                backend.config.overlap = mode
             calls = _count_calls(backends)
-            where = f"grouped_mm={grouped_mm} ac={ac}"
+            where = f"grouped_mm={grouped_mm} ac={ac} overlap={mode}"
 
             def loss_of(m):
                 return model(tokens[m]).float().square().mean()
@@ -366,11 +370,15 @@ def microbatch_layer_matches_plain(rank, world, device, make_backend):
             for backend in backends:
                 if hasattr(backend.backend, "check_errors"):
                     backend.backend.check_errors(synchronize=True)
-            # two MoE layers: A B C D A B C (D ends it) and (D) C B A D C B A
+            # two MoE layers: A B C D A B C (D ends it) and (D) C B A D C B A, also where the
+            # backward's layers ran chunked (their two chunks meet once per point)
             if crossings != 14:
                 failures.append(f"{where}: the threads met at {crossings} sync points, not 14")
-            if calls != {"dispatch": 4, "combine": 4}:
-                failures.append(f"{where}: calls for two microbatches {calls}, not 4 each")
+            # once per layer and microbatch; "chunked": microbatch 0's forward ran outside the
+            # pair, in two chunks, microbatch 1's in it, in one
+            per_step = 2 * 2 + 2 if mode == "chunked" else 4
+            if calls != {"dispatch": per_step, "combine": per_step}:
+                failures.append(f"{where}: calls for two microbatches {calls}, not {per_step} each")
             for m, loss in enumerate((loss_a.item(), loss_b.item())):
                 if abs(loss - plain[m]) > tol * max(1.0, abs(plain[m])):
                     failures.append(f"{where}: microbatch {m}'s loss {loss} vs {plain[m]}")
