@@ -28,7 +28,7 @@ def identity(path=FLAGSHIP, *overrides):
 
 def test_backend_and_the_options_that_change_results_change_the_name():
     nccl = identity(FLAGSHIP, "--moe_comm.backend", "nccl")
-    assert naming.run_name(nccl) == "deepseek_v3_671b_b200-nccl-32x8-ep32-pp8-b64x4096"
+    assert naming.run_name(nccl) == "deepseek_v3_671b_b200-nccl-chunked-32x8-ep32-pp8-b64x4096"
     names = {
         naming.run_name(identity(FLAGSHIP, *o))
         for o in (["--moe_comm.backend", "nccl"], ["--moe_comm.backend", "nvshmem"], ["--moe_comm.backend", "nvshmem", "--moe_comm.num_sms", "24"],
@@ -37,7 +37,7 @@ def test_backend_and_the_options_that_change_results_change_the_name():
                   ["--training.local_batch_size", "32"], ["--cluster.nodes", "64"])
     }
     assert len(names) == 7, names
-    assert "deepseek_v3_671b_b200-nvshmem-sm20-fp8-32x8-ep32-pp8-b64x4096" in names
+    assert "deepseek_v3_671b_b200-nvshmem-sm20-fp8-chunked-32x8-ep32-pp8-b64x4096" in names
     # The W&B group is the setting, the same for every backend: they line up side by side.
     assert naming.run_group(identity(FLAGSHIP, "--moe_comm.backend", "nvshmem")) == naming.run_group(nccl)
     assert naming.run_group(identity(FLAGSHIP, "--cluster.nodes", "64")) != naming.run_group(nccl)
@@ -48,7 +48,7 @@ def test_submit_derives_job_name_and_dump_folder_per_backend(capsys):
     for backend in ("nccl", "nvshmem"):
         assert cli_main(["submit", FLAGSHIP, "--dry-run", "--moe_comm.backend", backend]) == 0
         script = capsys.readouterr().out
-        name = f"deepseek_v3_671b_b200-{'nccl' if backend == 'nccl' else 'nvshmem-sm20'}-32x8-ep32-pp8-b64x4096"
+        name = f"deepseek_v3_671b_b200-{'nccl' if backend == 'nccl' else 'nvshmem-sm20'}-chunked-32x8-ep32-pp8-b64x4096"
         assert f"#SBATCH --job-name={name}\n" in script
         dump = next(line for line in script.splitlines() if line.startswith("DUMP_DIR="))
         assert dump.endswith(f"/outputs/deepseek_v3_671b_b200/{name}")

@@ -268,7 +268,7 @@ def _held_flagship(slurm: LocalSlurm) -> tuple[str, str]:
 def test_directives_are_honoured_by_slurm(background):
     """The 671B job submitted held (`in_background`): what Slurm made of its directives."""
     job_id, info = result(background.held_flagship)
-    name = "deepseek_v3_671b_b200-nvshmem-sm20-32x8-ep32-pp8-b64x4096"  # the run's identity (moe_comm.metrics.naming)
+    name = "deepseek_v3_671b_b200-nvshmem-sm20-chunked-32x8-ep32-pp8-b64x4096"  # the run's identity (moe_comm.metrics.naming)
     for expected in (f"JobName={name}\n", "NumNodes=32", "NumTasks=32", "NtasksPerN:B:S:C=1:",
                      "TresPerNode=gres:gpu:8", "OverSubscribe=NO", "Requeue=1", f"Partition={GPU_PARTITION}",
                      "TimeLimit=02:00:00", f"StdOut={REPO}/slurm/logs/{name}-{job_id}.out"):
