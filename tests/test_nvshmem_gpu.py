@@ -6,9 +6,9 @@ node, and virtual nodes (nodes x ranks per node) 2x1, 2x2, 4x1, 2x4 and 4x2, who
 runs through NVSHMEM put/signal between ranks of this machine. With fewer GPUs than ranks, the
 ranks share the GPUs as NVSHMEM PEs under CUDA MPS (started and stopped here) over a gloo group:
 that checks correctness, not speed. Launches run one at a time by default: side by side under
-MPS (MOE_COMM_GPU_TEST_CONCURRENCY=N, packed while ranks x num_sms fit the GPU) they finish in
-half the time, but once (results/h200x1/README.md, run 5) an illegal memory access raised during
-several jobs' NVSHMEM start-ups reached every MPS client at once.
+MPS (MOE_COMM_GPU_TEST_CONCURRENCY=N, packed while their ranks' SMs and memory fit the GPU) they
+finish in half the time, but once (results/h200x1/README.md, run 5) an illegal memory access
+raised during several jobs' NVSHMEM start-ups reached every MPS client at once.
 """
 
 import json
@@ -68,6 +68,11 @@ ERROR_CASES = ["slot_overflow_raises", "hang_raises_on_every_rank"]
 LAYOUTS = [(1, 0), (2, 0), (4, 0), (8, 0), (2, 1), (4, 2), (4, 1), (8, 4), (8, 2)]
 ERROR_LAYOUTS = [(2, 0), (4, 2)]
 NUM_SMS = 8
+# GPU memory one rank of a case launch may hold at its peak: the 8-PE launches' processes held
+# 7.3-10.3 GiB each when two of them side by side ran the GPU out of memory (run 51: the CUDA
+# graphs' pools of the earlier cases stay to the launch's end). Launches are packed only while
+# their ranks fit the GPUs' memory at this much each, as well as their SMs.
+RANK_MEMORY_BYTES = 12 << 30
 LAUNCH_TIMEOUT_S = 600
 ERROR_TIMEOUT_S = 5  # wait_timeout_s of the error layouts and the dead-pair preflight
 # After a wait gives up, every process of the job must have ended within this much more.
@@ -135,11 +140,12 @@ def _preflight(ranks: int, virtual: int, out: Path, port: int, name: str, *extra
 
 @pytest.fixture(scope="session")
 def reports(tmp_path_factory):
-    """Every layout's report, launched in batches whose SM budgets fit the GPUs."""
+    """Every layout's report, launched in batches whose SMs and memory fit the GPUs."""
     out = Path(os.environ.get("MOE_COMM_GPU_REPORTS", tmp_path_factory.mktemp("nvshmem_cases")))
     out.mkdir(parents=True, exist_ok=True)
     gpus = torch.cuda.device_count()
     budget = _sm_count() * gpus
+    memory = torch.cuda.get_device_properties(0).total_memory * gpus
     jobs = [(r, v, False) for r, v in LAYOUTS] + [(r, v, True) for r, v in ERROR_LAYOUTS]
     jobs = [j for j in jobs if not ONLY or _layout_id(*j) in ONLY]
     mps = Mps()
@@ -159,12 +165,13 @@ def reports(tmp_path_factory):
                 "--silent-rank", "1", "--wait-timeout-s", str(ERROR_TIMEOUT_S))
             port += 1
         while jobs:
-            batch, used = [], 0
+            batch, used, held = [], 0, 0
             for job in list(jobs):
-                cost = job[0] * NUM_SMS
-                if (used + cost <= budget and len(batch) < CONCURRENCY) or not batch:
+                cost, hold = job[0] * NUM_SMS, job[0] * RANK_MEMORY_BYTES
+                if (used + cost <= budget and held + hold <= memory and len(batch) < CONCURRENCY) or not batch:
                     batch.append(job)
                     used += cost
+                    held += hold
                     jobs.remove(job)
             procs = []
             for ranks, virtual, errors in batch:
