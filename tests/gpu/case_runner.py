@@ -2,6 +2,7 @@
 ranks share GPUs under CUDA MPS, since NCCL refuses two ranks on one GPU), and running cases
 into one PASS/FAIL report that every rank contributes to."""
 
+import gc
 import os
 import sys
 import time
@@ -40,6 +41,12 @@ class CaseLog:
         except Exception:  # noqa: BLE001 - every failure goes to the report
             self.results[name] = "FAIL\n" + traceback.format_exc()
             print(f"[rank {self.rank}] {name} FAILED\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        # What the case held goes back (its backends' CUDA graph pools among it), so a launch needs
+        # its largest case's memory, not all of its cases' (run 52: 8 PEs on one H200 reached 17.5
+        # GiB each, 10.5 of it the graph pools of finished cases, and ran out of memory)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         if self.rank == 0:
             print(f"{name}: {self.results[name].splitlines()[0]} ({time.time() - start:.1f} s)", flush=True)
 
