@@ -11,23 +11,12 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-
-def _time(fn, iters: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments.fp8_row_kernels import timed  # noqa: E402  one timer for the FP8 benchmarks
 
 
 def _rowwise(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +43,7 @@ def main() -> int:
 
     def case(name, flops, fn):
         try:
-            ms = _time(fn)
+            ms = timed(fn, 20, warmup=5)
             results["cases"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
         except Exception as e:  # noqa: BLE001 - support is what is probed
             results["cases"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}

@@ -60,9 +60,10 @@ def rows_tensor(counts: list[int], padded: list[int], channels: int, scale: floa
     return x
 
 
-def timed(fn, iters: int) -> float:
-    """Median ms of one call of fn over `iters` calls, after one warm-up."""
-    fn()
+def timed(fn, iters: int, warmup: int = 1) -> float:
+    """Median ms of one call of fn over `iters` calls (CUDA events), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):

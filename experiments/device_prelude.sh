@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# What every device call on the lent one-GPU machine starts with, sourced by a call's committed
+# script (results/h200x1/raw/runN/device_call.sh):  source experiments/device_prelude.sh NAME
+# - NVLink multicast off (the lent machines' rule; it can take a shared host down);
+# - the wheels the image lacks, carried in .whl (TorchTitan 0.2.2 and its dependencies), into
+#   /tmp/site, on PYTHONPATH before the repository;
+# - csrc/ built for SM 9.0 into /tmp/b (MOE_COMM_LIBRARY points there), its log in $o/build.log;
+# - $o (/tmp/o, empty) for what the call writes, `stamp MSG` (seconds since the start, named
+#   NAME), and `pack` (a tarball of $o into $OUT/NAME.tgz, which the device tool brings back;
+#   large traces and checkpoints left out).
+# Earlier calls' scripts (runs 46-54) carry these lines themselves, as they ran.
+name=${1:?usage: source experiments/device_prelude.sh NAME}
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+export MOE_COMM_INIT_TIMEOUT=120
+o=/tmp/o; rm -rf $o; mkdir -p $o
+start=$(date +%s)
+stamp() { echo "[$name $(( $(date +%s) - start )) s] $*"; }
+pack() {
+  find $o -name 'trace*.json.gz' -delete; find $o -type d -name checkpoint -prune -exec rm -rf {} +
+  tar czf "$OUT/$name.tgz" -C $o . ; stamp packed
+}
+export PYTHONPATH=/tmp/site:$PWD
+MAX_JOBS=16 python3 -m moe_comm build --arch 90 --out /tmp/b > $o/build.log 2>&1; stamp "build exit $?"
+export MOE_COMM_LIBRARY=/tmp/b/moe_comm_cuda.so
