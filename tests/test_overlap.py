@@ -13,7 +13,8 @@
   (dispatch(c0) not behind the shared experts, experts(c0) not behind dispatch(c1), combine(c0)
   not behind experts(c1), the sum behind both combines), the record_streams, and the waits
   reported to the metrics in forward and backward.
-- DualPipeV's sync points: their order around dispatch and combine, and the backward's first D.
+- DualPipeV's sync points: their order around dispatch and combine, the backward's first D, and
+  a chunked call's backward in a pair meeting once per point (and out of order, an error).
 - The overlap across microbatches ([moe_comm] overlap = "microbatch", moe_comm.titan.pipeline):
   the action lists built from torch's Interleaved1F1B (no processes), the refusal of other
   schedules, and a failing backward thread failing the step instead of hanging it.
@@ -22,7 +23,8 @@
   as torchrun starts them, tests/ranks.py; the debug model with 4 attention heads),
   each step run once per variant from the same weights (tests/overlap_trainer.py), built with
   full activation checkpointing and each variant also run with fewer or no checkpoints:
-  PP 2 x EP 2 with DualPipeV on 4 processes (its EP overlap with two threads, "chunked", and
+  PP 2 x EP 2 with DualPipeV on 4 processes (its EP overlap with two threads, "chunked", the
+  two together - the forwards outside a pair chunked, meeting as often as DualPipeV alone - and
   neither); PP 2 x EP 2 with Interleaved1F1B and overlap "microbatch" on 4 processes (against
   torch's own Interleaved1F1B lists); EP 2 on 2 processes ("chunked" and not; dispatch and
   combine calls counted). An overlap across microbatches equals the plain schedule bit for bit,
