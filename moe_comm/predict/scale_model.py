@@ -462,6 +462,8 @@ DUALPIPEV = ("dualpipev", "dualpipev+chunked")
 def moe_comm_overlap(overlap: str) -> str:
     """The [moe_comm] overlap a workload's overlap runs with (`overlap_for` backwards)."""
     return {"dualpipev": "none", "dualpipev+chunked": "chunked"}.get(overlap, overlap)
+
+
 # the step's terms no GPU idle share applies to: waits on links and on other ranks, not launches
 WAITING_TERMS = ("moe comm", "tp comm", "pp p2p", "pp bubble", "fsdp exposed")
 
@@ -872,8 +874,7 @@ def run_plan_for(backend: str, w: Workload, dispatch_dtype: str = "bf16") -> Run
     a, lay = w.args, w.layout
     options = MoEComm(backend=backend, num_sms=w.num_sms, network_sms=w.network_sms,
                       virtual_node_size=w.virtual_node_size, dispatch_dtype=dispatch_dtype,
-                      overlap=moe_comm_overlap(w.overlap),
-                      expert_dtype=w.expert_dtype,
+                      overlap=moe_comm_overlap(w.overlap), expert_dtype=w.expert_dtype,
                       combine_grad_dtype=w.combine_grad_dtype)
     return RunPlan(options=options, device="cuda", ep=lay.ep, ranks_per_node=lay.procs_per_node, nodes=lay.nodes,
                    num_experts=a.moe_args.num_experts, top_k=a.moe_args.top_k, hidden=a.dim,
