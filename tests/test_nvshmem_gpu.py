@@ -116,6 +116,29 @@ def _launch(ranks: int, virtual: int, errors: bool, out: Path, port: int) -> sub
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+def wait_all(procs: list[subprocess.Popen], timeout_s: float, poll_s: float = 0.05) -> list[float]:
+    """When each process ended (time.time()), waiting for all of them together; those still
+    running after timeout_s are killed then. Each launch's own end time, not when a wait in
+    turn reached it: run 55 timed an error job that had ended in 3 s at 28 s, the end of the
+    longer launch side by side with it, waited for first."""
+    deadline = time.time() + timeout_s
+    ends = [None] * len(procs)
+    while None in ends:
+        now = time.time()
+        for i, proc in enumerate(procs):
+            if ends[i] is None and proc.poll() is not None:
+                ends[i] = now
+        if None in ends and now >= deadline:
+            for i, proc in enumerate(procs):
+                if ends[i] is None:
+                    proc.kill()
+                    proc.wait()
+                    ends[i] = time.time()
+        elif None in ends:
+            time.sleep(poll_s)
+    return ends
+
+
 def _preflight(ranks: int, virtual: int, out: Path, port: int, name: str, *extra: str) -> dict:
     """The preflight verb under torchrun; its JSON report, exit status and end time."""
     env = dict(os.environ, **DEVICE_ENV)
@@ -177,12 +200,8 @@ def reports(tmp_path_factory):
             for ranks, virtual, errors in batch:
                 procs.append(((ranks, virtual, errors), _launch(ranks, virtual, errors, out, port)))
                 port += 1
-            for key, proc in procs:
-                try:
-                    proc.wait(timeout=LAUNCH_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                ended = time.time()
+            ends = wait_all([proc for _, proc in procs], LAUNCH_TIMEOUT_S)
+            for (key, proc), ended in zip(procs, ends):
                 report = out / f"nvshmem_cases_{_layout_id(*key)}.json"
                 log = (out / f"nvshmem_cases_{_layout_id(*key)}.log").read_text()
                 results[key] = (json.loads(report.read_text()) | {"exit": proc.returncode, "ended_at": ended}
