@@ -69,9 +69,9 @@ LAYOUTS = [(1, 0), (2, 0), (4, 0), (8, 0), (2, 1), (4, 2), (4, 1), (8, 4), (8, 2
 ERROR_LAYOUTS = [(2, 0), (4, 2)]
 NUM_SMS = 8
 # GPU memory one rank of a case launch may hold at its peak: the 8-PE launches' processes held
-# 7.3-10.3 GiB each when two of them side by side ran the GPU out of memory (run 51: the CUDA
-# graphs' pools of the earlier cases stay to the launch's end). Launches are packed only while
-# their ranks fit the GPUs' memory at this much each, as well as their SMs.
+# 7.3-10.3 GiB each when two of them side by side ran the GPU out of memory (run 51, before each
+# case gave back what it held: tests/gpu/case_runner.py). Launches are packed only while their
+# ranks fit the GPUs' memory at this much each, as well as their SMs.
 RANK_MEMORY_BYTES = 12 << 30
 LAUNCH_TIMEOUT_S = 600
 ERROR_TIMEOUT_S = 5  # wait_timeout_s of the error layouts and the dead-pair preflight

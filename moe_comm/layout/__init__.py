@@ -221,6 +221,13 @@ def check_layout(config, layout: Layout, args, device: str) -> None:
         )
 
 
+def dual_pipe_v_overlap(parallelism, layout: Layout) -> bool:
+    """Whether a recipe runs DualPipeV's EP overlap: TorchTitan's get_dual_pipe_v_flag, from the
+    recipe's [parallelism] and layout instead of the built process groups."""
+    return (layout.pp > 1 and layout.ep > 1 and parallelism.pipeline_parallel_expert_parallel_overlap
+            and parallelism.pipeline_parallel_schedule.lower() == "dualpipev")
+
+
 def run_plan(config, layout: Layout, args, device: str, *, gpu: str = "", gpu_sms: int = 0,
              launch_env=None, launch_env_source: str = "", python_env: str = ""):
     """The RunPlan of this recipe: what its backend's `check_run` is asked with."""
@@ -244,9 +251,7 @@ def run_plan(config, layout: Layout, args, device: str, *, gpu: str = "", gpu_sm
         launch_env_source=launch_env_source or "the launch environment",
         python_env=python_env,
         activation_checkpoint=config.activation_checkpoint.mode,
-        # TorchTitan's get_dual_pipe_v_flag, from the recipe instead of the built process groups
-        dual_pipe_v=(layout.pp > 1 and layout.ep > 1 and p.pipeline_parallel_expert_parallel_overlap
-                     and p.pipeline_parallel_schedule.lower() == "dualpipev"),
+        dual_pipe_v=dual_pipe_v_overlap(p, layout),
         pp=layout.pp,
         pp_schedule=p.pipeline_parallel_schedule,
     )

@@ -43,7 +43,7 @@ from moe_comm import fp8_experts, gpus, titan_fields
 from moe_comm.backends import backend_class, names
 from moe_comm.config import MoEComm
 from moe_comm.errors import RecipeError
-from moe_comm.layout import flavor_args, Layout, OUR_MODEL_NAME, RunPlan
+from moe_comm.layout import dual_pipe_v_overlap, flavor_args, Layout, OUR_MODEL_NAME, RunPlan
 from moe_comm.predict import documents, estimate, layer_compute, schedule
 from moe_comm.predict.assumptions import READ, REPO, SCENARIOS, Inputs
 from moe_comm.predict.calibration import Calibration
@@ -222,9 +222,7 @@ def overlap_for(config, layout) -> str:
     """The MoE overlap a recipe runs: TorchTitan's DualPipeV expert-parallel overlap where it
     applies (PP and EP, schedule DualPipeV, pipeline_parallel_expert_parallel_overlap, its
     default), else [moe_comm] overlap."""
-    par = config.parallelism
-    if (layout.pp > 1 and layout.ep > 1 and par.pipeline_parallel_schedule.lower() == "dualpipev"
-            and par.pipeline_parallel_expert_parallel_overlap):
+    if dual_pipe_v_overlap(config.parallelism, layout):
         return "dualpipev+chunked" if config.moe_comm.overlap == "chunked" else "dualpipev"
     return config.moe_comm.overlap
 

@@ -163,16 +163,18 @@ def _take(op: str):
     return result
 
 
+def _keep(kind: str, value):
+    """`value`, kept in this thread's checkpointed forward (if it is in one) for its recompute."""
+    if _frames():
+        _frames()[-1].kept.append((kind, value))
+    return value
+
+
 def choice(name: str, choose: Callable[[], Any]) -> Any:
     """`choose()`, a choice the forward makes from the moment's state (how many chunks a call
     runs in, say), kept in a checkpointed forward and replayed in its recompute: the recompute
     must make the same calls in the same order, whatever the state is then."""
-    if replaying():
-        return _take(name)
-    value = choose()
-    if _frames():
-        _frames()[-1].kept.append((name, value))
-    return value
+    return _take(name) if replaying() else _keep(name, choose())
 
 
 def dispatch(backend, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor) -> DispatchResult:
@@ -180,20 +182,14 @@ def dispatch(backend, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: 
     if replaying():
         r = _take("dispatch")
         return DispatchResult(_replayed(r.recv_x_RD), r.tokens_per_expert_L, r.handle, r.recv_fp8)
-    result = _run(backend.dispatch, x_TD, topk_idx_TK, topk_w_TK)
-    if _frames():
-        _frames()[-1].kept.append(("dispatch", result))
-    return result
+    return _keep("dispatch", _run(backend.dispatch, x_TD, topk_idx_TK, topk_w_TK))
 
 
 def combine(backend, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
     """backend.combine, kept in a checkpointed forward and replayed in its recompute."""
     if replaying():
         return _replayed(_take("combine"))
-    out_TD = _run(backend.combine, y_RD, handle)
-    if _frames():
-        _frames()[-1].kept.append(("combine", out_TD))
-    return out_TD
+    return _keep("combine", _run(backend.combine, y_RD, handle))
 
 
 # A benchmark's switch, never a recipe field: "1" runs TorchTitan's checkpointing as it is, whose
