@@ -114,6 +114,15 @@ def test_rows_and_weights_quantise_bit_for_bit():
             want_q, want_scale, want_amax = ref.quantise_grad_rows(xw[:total], offsets, cs)
             assert_same_codes(q[:total], scale[:total], want_q, want_scale, what)
             assert torch.equal(col_amax, want_amax), what
+    # tens of rows a block (each row's loads issued while the block finishes the one before),
+    # expert boundaries inside blocks' shares
+    many = [7000, 0, 12000, 3008]
+    xm, om = bf16(sum(many), HIDDEN, seed=13), offsets_of(many)
+    cs = torch.rand(len(many), HIDDEN, device=DEVICE) * 1e-3 + 1e-5
+    q, scale, col_amax = fp8.quantise_grad_rows(xm, om, cs)
+    want_q, want_scale, want_amax = ref.quantise_grad_rows(xm, om, cs)
+    assert_same_codes(q, scale, want_q, want_scale, "many rows a block")
+    assert torch.equal(col_amax, want_amax), "many rows a block"
 
     for dtype in (torch.bfloat16, torch.float32):
         w1, w3 = bf16(4, INTER, HIDDEN, scale=0.02, seed=2).to(dtype), bf16(4, INTER, HIDDEN, scale=0.02, seed=3).to(dtype)
@@ -161,11 +170,12 @@ def test_group_columns_bit_for_bit():
     assert got.shape == want.shape and torch.equal(codes(got[:, :total]), codes(want[:, :total])), "rows transposed"
 
 
-@pytest.mark.parametrize("inter", [INTER, 3072, 400])
-def test_gate_and_its_backward_to_rounding(inter):
+@pytest.mark.parametrize("inter, counts", [(INTER, [256, 0, 736]), (3072, [256, 0, 736]), (400, [256, 0, 736]),
+                                          (INTER, [5000, 0, 11000, 3008])])
+def test_gate_and_its_backward_to_rounding(inter, counts):
     """At each block size the row kernels take: inter 400 in blocks of 64 threads, 2048 of 128,
-    3072 of 256 (whose folded scales and amax need more than 48 KiB of shared memory)."""
-    counts = [256, 0, 736]
+    3072 of 256 (whose folded scales and amax need more than 48 KiB of shared memory); and with
+    tens of rows a block, each row's loads issued while the block finishes the one before."""
     total = sum(counts)
     offsets = offsets_of(counts)
     h13 = bf16(total, 2 * inter, scale=2.0, seed=7)

@@ -24,7 +24,7 @@ namespace moe_comm {
 // recipe's layer, 150 -> 103 registers; the weights' kernel went 1.18 -> 1.58 ms that way: run 43).
 constexpr int kWeightVecs = 4;
 constexpr int kRowVecs = 2;
-// The transposing kernels' blocks (weights_transposed.cu, group_columns.cu).
+// The transposing kernel's blocks (group_columns.cu).
 constexpr int kTileThreads = 256;
 // The widest row the row kernels take (a model's hidden size, or its expert inter dim).
 constexpr int kMaxRowChannels = 8192;
@@ -76,7 +76,7 @@ struct GateBackwardArgs {
 
 // Weights [experts, rows_a + rows_b, cols], stacked from a [experts, rows_a, cols] and b (the
 // gate and up projections make one GEMM), fp32 or bf16 -> e4m3 with one scale per row (the
-// forward GEMM's output channels). dgrad uses the same codes transposed (WeightsTransposedArgs)
+// forward GEMM's output channels). dgrad uses the same codes transposed (GroupColumnsArgs)
 // with these scales folded into its left operand, so the parameters are read once.
 struct WeightsArgs {
   const void* a;
@@ -87,16 +87,10 @@ struct WeightsArgs {
   float* scale;      // [experts, rows]
 };
 
-// Those codes transposed, byte for byte: [experts, rows, cols] -> [experts, cols, rows], the
-// K-major right operand of the dgrad GEMM (FP8 tensor cores take both operands K-major).
-struct WeightsTransposedArgs {
-  const uint8_t* q;
-  int experts, rows, cols;
-  uint8_t* out;
-};
-
-// The weight gradients' operands: x [rows, channels] transposed to [channels, row_stride] e4m3,
-// the K-major layout a 2D x 2D scaled grouped GEMM takes for a contraction over the rows. bf16 x
+// The transposes (group_columns.cu): the weight gradients' operands, x [rows, channels] to
+// [channels, row_stride] e4m3, the K-major layout a 2D x 2D scaled grouped GEMM takes for a
+// contraction over the rows; and dgrad's weights, the forward's codes [experts, rows, cols] to
+// [experts, cols, rows] (uniform_rows = rows: each expert's own matrix). bf16 x
 // is quantised with one scale per (expert, channel) over the expert's rows, from the amax its
 // producer took (quantise_rows.cu, gate_backward.cu): token-wise scaling, which rowwise scaling
 // cannot give. e4m3 x (the experts' input rows) is transposed byte for byte: its row scales went
@@ -107,15 +101,16 @@ struct GroupColumnsArgs {
   bool bytes;              // x is e4m3, copied as it is (col_amax and scale unused)
   const float* col_amax;   // [groups, channels] with rows amax_stride apart
   int64_t amax_stride;
-  const int32_t* offsets;
+  const int32_t* offsets;  // groups end at offsets[g] (uniform_rows 0)
+  int64_t uniform_rows;    // 0, or every group has these rows and its own [channels, uniform_rows] in q
   int groups, channels, halves;
-  int64_t row_stride;      // of q: the rows rounded up to 16
+  int64_t row_stride;      // of q: the rows rounded up to 16 (uniform_rows: uniform_rows)
   uint8_t* q;              // [channels, row_stride]
   float* scale;            // [halves, groups, channels / halves]
 };
 
 // The weight gradients (bf16, from the wgrad GEMMs) widened to fp32 parameters' dtype: n values,
-// a multiple of 8, both tensors 16-byte aligned.
+// a multiple of 4, both tensors 16-byte aligned.
 struct WidenArgs {
   const void* x;  // bf16 [n]
   float* out;     // [n]
@@ -127,8 +122,7 @@ void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count,
 void launch_gate(const GateArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_weights(const WeightsArgs& a, int sm_count, cudaStream_t stream);
-void launch_weights_transposed(const WeightsTransposedArgs& a, cudaStream_t stream);
 void launch_group_columns(const GroupColumnsArgs& a, cudaStream_t stream);
-void launch_widen(const WidenArgs& a, int sm_count, cudaStream_t stream);
+void launch_widen(const WidenArgs& a, cudaStream_t stream);
 
 }  // namespace moe_comm

@@ -1,13 +1,19 @@
-// The weight gradients' operands in FP8: dW = A^T B over each expert's rows is a 2D x 2D grouped
-// GEMM that contracts over the rows (tokens), and FP8 tensor cores take both operands K-major,
-// so x [rows, channels] is transposed to [channels, row_stride]. bf16 x (the output gradient dy,
-// h, dh13) is scaled per (expert, channel) over the expert's rows, from the amax the kernel that
-// wrote x took (experts.h); e4m3 x (the experts' input rows) is copied byte for byte. One read of
-// the rows: the amax pass this kernel once made over them cost as much as the transpose.
+// The transposes the FP8 GEMMs need, FP8 tensor cores taking both operands K-major:
+// - the weight gradients' operands: dW = A^T B over each expert's rows is a 2D x 2D grouped GEMM
+//   that contracts over the rows (tokens), so x [rows, channels] is transposed to [channels,
+//   row_stride]. bf16 x (the output gradient dy, h, dh13) is scaled per (expert, channel) over
+//   the expert's rows, from the amax the kernel that wrote x took (experts.h); e4m3 x (the
+//   experts' input rows) is copied byte for byte. One read of the rows: the amax pass this kernel
+//   once made over them cost as much as the transpose.
+// - dgrad's weights: the forward's e4m3 codes [experts, rows, cols] to [experts, cols, rows],
+//   byte for byte (uniform_rows: every expert its own matrix).
 //
 // A block takes 64 channels of one expert's rows and transposes them 128 rows at a time through
 // shared memory: loads along the channels, 16-byte stores along the rows (the tile swizzled:
-// tile_offset).
+// tile_offset). The next 128 rows' loads are issued before this tile's stores, so a thread's
+// loads are in flight while the block writes. Without that (one tile loaded, a barrier, stored,
+// a barrier) the weight gradients' operands ran at about 1.9 TB/s and dgrad's weights at 2.5
+// (run 36 and run 44).
 #include <cuda_bf16.h>
 
 #include "common/launch.h"
@@ -19,13 +25,27 @@ constexpr int kGroupCols = 64;
 constexpr int kGroupRows = 128;
 constexpr int kGroupPitch = kGroupRows + 16;
 constexpr int kColVecs = kGroupCols / 8;  // 8-channel vectors per row of the tile
+constexpr int kTileLoads = kGroupRows * kColVecs / kTileThreads;  // a thread's loads per tile
+constexpr int kTileStores = kGroupCols * kGroupRows / 16 / kTileThreads;
+// Blocks an SM keeps resident: the prefetched loads take 80 registers a thread unbounded (3 blocks
+// an SM); at 4, as many as the loop without the prefetch held.
+constexpr int kTileBlocksPerSm = 4;
 static_assert(kGroupRows == kTransposeRows && kColVecs == kTransposeVecs, "tile_offset's tile");
 
-// 8 bytes of row r from channel c: bf16 quantised by the columns' scales, or e4m3 as it is.
-__device__ __forceinline__ uint2 load_row8(const GroupColumnsArgs& a, int64_t r, int c, const float* scales) {
-  if (a.bytes) return *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.x) + r * a.channels + c);
+// 8 channels of one row as loaded: 16 bytes of bf16, or 8 bytes of e4m3 in .x and .y.
+__device__ __forceinline__ uint4 load_row8(const GroupColumnsArgs& a, int64_t r, int c) {
+  if (a.bytes) {
+    const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.x) + r * a.channels + c);
+    return make_uint4(v.x, v.y, 0u, 0u);
+  }
+  return *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + r * a.channels + c);
+}
+
+// Those 8 channels' e4m3 codes: bf16 quantised by the columns' scales, or e4m3 as it is.
+__device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, const float* scales) {
+  if (a.bytes) return make_uint2(raw.x, raw.y);
   float f[8];
-  bf16x8_to_floats(*reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + r * a.channels + c), f);
+  bf16x8_to_floats(raw, f);
   uint32_t word[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -40,11 +60,18 @@ __device__ __forceinline__ uint2 load_row8(const GroupColumnsArgs& a, int64_t r,
   return make_uint2(word[0], word[1]);
 }
 
-__global__ void __launch_bounds__(kTileThreads) group_columns_kernel(const GroupColumnsArgs a) {
+__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_kernel(const GroupColumnsArgs a) {
   __shared__ __align__(16) uint8_t tile[kGroupCols * kGroupPitch];
   __shared__ float scales[kGroupCols];
   const int g = blockIdx.y, c0 = blockIdx.x * kGroupCols;
-  const int64_t start = g == 0 ? 0 : a.offsets[g - 1], end = a.offsets[g];
+  int64_t start, end;
+  uint8_t* q = a.q;
+  if (a.uniform_rows > 0) {  // this expert's own [channels, uniform_rows], its rows from 0
+    start = (int64_t)g * a.uniform_rows, end = start + a.uniform_rows;
+    q += g * a.channels * a.uniform_rows - start;
+  } else {
+    start = g == 0 ? 0 : a.offsets[g - 1], end = a.offsets[g];
+  }
   if (!a.bytes && threadIdx.x < kGroupCols) {
     const int col = c0 + threadIdx.x;
     const float scale = col < a.channels ? fp8_scale(a.col_amax[g * a.amax_stride + col], kFp8MinAmaxSmall) : 1.f;
@@ -54,30 +81,43 @@ __global__ void __launch_bounds__(kTileThreads) group_columns_kernel(const Group
       a.scale[((int64_t)h * a.groups + g) * per_half + col % per_half] = scale;
     }
   }
-  __syncthreads();
 
-  constexpr int kLoads = kGroupRows * kColVecs / kTileThreads;
-  constexpr int kStores = kGroupCols * kGroupRows / 16 / kTileThreads;
+  // Load i of a thread: row id / kColVecs of the tile, its vector id % kColVecs.
+  auto loaded = [&](int64_t r0, int i, int64_t& r, int& v) {
+    const int id = threadIdx.x + i * kTileThreads;
+    r = r0 + id / kColVecs, v = id % kColVecs;
+    return r < end && c0 + 8 * v < a.channels;
+  };
+  uint4 raw[kTileLoads];
+  auto fetch = [&](int64_t r0) {
+#pragma unroll
+    for (int i = 0; i < kTileLoads; ++i) {
+      int64_t r;
+      int v;
+      if (loaded(r0, i, r, v)) raw[i] = load_row8(a, r, c0 + 8 * v);
+    }
+  };
+  if (start < end) fetch(start);
+  __syncthreads();  // the scales
   for (int64_t r0 = start; r0 < end; r0 += kGroupRows) {
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int id = threadIdx.x + i * kTileThreads;
-      const int rl = id / kColVecs, v = id % kColVecs;
-      const int64_t r = r0 + rl;
-      if (r >= end || c0 + 8 * v >= a.channels) continue;
-      put8_in_tile<kGroupPitch>(tile, 8 * v, rl, load_row8(a, r, c0 + 8 * v, scales + 8 * v));
+    for (int i = 0; i < kTileLoads; ++i) {
+      int64_t r;
+      int v;
+      if (loaded(r0, i, r, v)) put8_in_tile<kGroupPitch>(tile, 8 * v, (int)(r - r0), codes8(a, raw[i], scales + 8 * v));
     }
     __syncthreads();
+    if (r0 + kGroupRows < end) fetch(r0 + kGroupRows);  // in flight during this tile's stores
 #pragma unroll
-    for (int i = 0; i < kStores; ++i) {
+    for (int i = 0; i < kTileStores; ++i) {
       const int id = threadIdx.x + i * kTileThreads;
       const int cl = id / (kGroupRows / 16), seg = id % (kGroupRows / 16);
       const int col = c0 + cl;
       const int64_t r = r0 + 16 * seg;
       if (col >= a.channels || r >= end) continue;
-      uint8_t* out = a.q + (int64_t)col * a.row_stride + r;
+      uint8_t* out = q + (int64_t)col * a.row_stride + r;
       const uint8_t* from = tile + tile_offset<kGroupPitch>(cl, 16 * seg);
-      if (r + 16 <= end && r % 16 == 0) {
+      if (r + 16 <= end && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
         *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(from);
       } else {
         for (int k = 0; k < 16 && r + k < end; ++k) out[k] = from[k];

@@ -140,9 +140,10 @@ at::Tensor weights_transposed_op(const at::Tensor& q) {
         "q must be the contiguous e4m3 [experts, rows, cols] fp8_weights returned (rows and cols multiples of 16)");
   const int64_t experts = q.size(0), rows = q.size(1), cols = q.size(2);
   at::Tensor out = at::empty({experts, cols, rows}, e4m3(q));
-  WeightsTransposedArgs w{static_cast<const uint8_t*>(q.data_ptr()), (int)experts, (int)rows, (int)cols,
-                          static_cast<uint8_t*>(out.data_ptr())};
-  launch_weights_transposed(w, c10::cuda::getCurrentCUDAStream());
+  check_experts(experts * rows <= INT32_MAX, "q must have at most 2^31 - 1 rows of weights in all");
+  GroupColumnsArgs a{q.data_ptr(), true, nullptr, 0, nullptr, rows, (int)experts, (int)cols, 1, rows,
+                     static_cast<uint8_t*>(out.data_ptr()), nullptr};
+  launch_group_columns(a, c10::cuda::getCurrentCUDAStream());
   return out;
 }
 
@@ -167,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor> group_columns_op(const at::Tensor& x, const a
   const int64_t channels = x.size(1);
   at::Tensor q = group_columns_out(x);
   at::Tensor scale = at::empty({halves, groups * (channels / halves)}, f32(x));
-  GroupColumnsArgs a{x.data_ptr(), false, col_amax.data_ptr<float>(), col_amax.stride(0), offsets.data_ptr<int32_t>(),
+  GroupColumnsArgs a{x.data_ptr(), false, col_amax.data_ptr<float>(), col_amax.stride(0), offsets.data_ptr<int32_t>(), 0,
                      groups, (int)channels, (int)halves, q.size(1), static_cast<uint8_t*>(q.data_ptr()),
                      scale.data_ptr<float>()};
   launch_group_columns(a, c10::cuda::getCurrentCUDAStream());
@@ -179,7 +180,7 @@ at::Tensor transpose_rows_op(const at::Tensor& x, const at::Tensor& offsets) {
   check_rows(x, "x", at::kFloat8_e4m3fn, INT32_MAX);
   const int groups = check_offsets(offsets, x);
   at::Tensor q = group_columns_out(x);
-  GroupColumnsArgs a{x.data_ptr(), true, nullptr, 0, offsets.data_ptr<int32_t>(), groups, (int)x.size(1), 1,
+  GroupColumnsArgs a{x.data_ptr(), true, nullptr, 0, offsets.data_ptr<int32_t>(), 0, groups, (int)x.size(1), 1,
                      q.size(1), static_cast<uint8_t*>(q.data_ptr()), nullptr};
   launch_group_columns(a, c10::cuda::getCurrentCUDAStream());
   return q;
@@ -193,7 +194,7 @@ at::Tensor widen_op(const at::Tensor& x) {
         "x must be a contiguous, 16-byte aligned CUDA bfloat16 tensor of a multiple of 8 values");
   at::Tensor out = at::empty(x.sizes(), f32(x));
   WidenArgs a{x.data_ptr(), out.data_ptr<float>(), x.numel()};
-  launch_widen(a, sm_count(x), c10::cuda::getCurrentCUDAStream());
+  launch_widen(a, c10::cuda::getCurrentCUDAStream());
   return out;
 }
 

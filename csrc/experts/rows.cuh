@@ -234,6 +234,39 @@ __device__ __forceinline__ void put8_in_tile(uint8_t* tile, int ch, int r, uint2
   for (int k = 0; k < 8; ++k) tile[at + k * kPitch] = (uint8_t)(((k < 4 ? v.x : v.y) >> (8 * (k % 4))) & 0xff);
 }
 
+// A row kernel's loads of the next row, issued before the block reduces and stores the current
+// one, so that a thread's loads are in flight through the barriers of block_max: kOperands
+// arrays of the row, kRowVecs 8-channel vectors each (vector v = threadIdx.x + i * kThreads of
+// those below vecs). Rows one after the other: fetch the first, then take each row while
+// fetching the next.
+template <int kThreads, int kOperands>
+struct RowPrefetch {
+  int vecs;
+  uint4 next[kOperands][kRowVecs];
+
+  __device__ __forceinline__ void fetch(bool any, const uint4* const (&from)[kOperands]) {
+    if (!any) return;
+#pragma unroll
+    for (int o = 0; o < kOperands; ++o) {
+#pragma unroll
+      for (int i = 0; i < kRowVecs; ++i) {
+        const int v = threadIdx.x + i * kThreads;
+        if (v < vecs) next[o][i] = from[o][v];
+      }
+    }
+  }
+  // The row fetched last into `row`; the loads of `from` (where any) start before this returns.
+  __device__ __forceinline__ void take(uint4 (&row)[kOperands][kRowVecs], bool any,
+                                       const uint4* const (&from)[kOperands]) {
+#pragma unroll
+    for (int o = 0; o < kOperands; ++o) {
+#pragma unroll
+      for (int i = 0; i < kRowVecs; ++i) row[o][i] = next[o][i];
+    }
+    fetch(any, from);
+  }
+};
+
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 #endif  // __CUDACC__

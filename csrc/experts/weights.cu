@@ -1,7 +1,7 @@
 // Weights for the forward GEMMs: [experts, rows, cols] (fp32 parameters at world 1, bf16 under
 // FSDP) to e4m3 with one scale per row (a row of W1/W3 or W2 is one output channel of its GEMM),
 // straight from the parameters, each read once. dgrad takes the same codes transposed
-// (weights_transposed.cu) with these scales folded into its other operand, so no column amax and
+// (group_columns.cu) with these scales folded into its other operand, so no column amax and
 // no second pass over the parameters.
 //
 // A row kernel: a block per row, the row held in registers (kWeightVecs vectors of 8 a thread, so a

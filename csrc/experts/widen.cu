@@ -2,36 +2,43 @@
 // mixed precision). torch._scaled_grouped_mm writes bf16 only, and autograd's own cast of a
 // gradient to its parameter's dtype ran as a 2-byte-a-load copy kernel at about 1.9 TB/s: 1.48 ms
 // for each of the three [32, 2048, 7168] gradients of a one-GPU recipe layer, 8.9 ms of its step
-// (results/h200x1/README.md, run 41). Here each thread moves 8 values a load: 1.08 against 1.34 ms
-// for torch's cast of the same gradient (run 42; four loads in flight a thread measured the same
-// in runs 43-44, so the loop stays this simple).
-#include <cuda_bf16.h>
-
-#include <algorithm>
-
+// (results/h200x1/README.md, run 41).
+//
+// A bf16 value widens exactly by moving its 16 bits to the top of a float's. Each thread loads 4
+// values (8 bytes) and stores their 16 bytes, so a warp's loads and its stores are each one
+// contiguous span; kWidenLoads loads a thread are in flight before the first store. The previous
+// loop (8 values a load, two 16-byte stores 32 bytes apart per thread, one wave of blocks
+// striding over the tensor) ran at 2.6 TB/s (run 44).
 #include "common/launch.h"
-#include "experts/rows.cuh"
+#include "experts/experts.h"
 
 namespace moe_comm {
 
+constexpr int kWidenLoads = 4;  // 8-byte loads a thread keeps in flight
+
 __global__ void __launch_bounds__(kWidenThreads) widen_kernel(const WidenArgs a) {
-  const uint4* in = static_cast<const uint4*>(a.x);
-  float4* out = reinterpret_cast<float4*>(a.out);
-  const int64_t vecs = a.n / 8;
-  for (int64_t v = (int64_t)blockIdx.x * kWidenThreads + threadIdx.x; v < vecs; v += (int64_t)gridDim.x * kWidenThreads) {
-    float f[8];
-    bf16x8_to_floats(in[v], f);
-    out[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
-    out[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
+  const uint2* in = static_cast<const uint2*>(a.x);
+  uint4* out = reinterpret_cast<uint4*>(a.out);
+  const int64_t quads = a.n / 4;
+  const int64_t first = (int64_t)blockIdx.x * kWidenThreads * kWidenLoads + threadIdx.x;
+  uint2 v[kWidenLoads];
+#pragma unroll
+  for (int i = 0; i < kWidenLoads; ++i) {
+    const int64_t q = first + (int64_t)i * kWidenThreads;
+    if (q < quads) v[i] = in[q];
+  }
+#pragma unroll
+  for (int i = 0; i < kWidenLoads; ++i) {
+    const int64_t q = first + (int64_t)i * kWidenThreads;
+    if (q < quads) out[q] = make_uint4(v[i].x << 16, v[i].x & 0xffff0000u, v[i].y << 16, v[i].y & 0xffff0000u);
   }
 }
 
-void launch_widen(const WidenArgs& a, int sm_count, cudaStream_t stream) {
-  const int64_t vecs = a.n / 8;
-  if (vecs == 0) return;
-  const int64_t most = (int64_t)sm_count * (kThreadsPerSm / kWidenThreads);  // one wave, grid-stride
-  const int blocks = (int)std::min<int64_t>(most, (vecs + kWidenThreads - 1) / kWidenThreads);
-  widen_kernel<<<blocks, kWidenThreads, 0, stream>>>(a);
+void launch_widen(const WidenArgs& a, cudaStream_t stream) {
+  const int64_t quads = a.n / 4;
+  if (quads == 0) return;
+  constexpr int64_t kPerBlock = (int64_t)kWidenThreads * kWidenLoads;
+  widen_kernel<<<(unsigned)((quads + kPerBlock - 1) / kPerBlock), kWidenThreads, 0, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_widen");
 }
 
