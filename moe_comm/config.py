@@ -44,8 +44,9 @@ class MoEComm:
     scale, quantised once (by the sender with dispatch_dtype = "fp8", by the receiver's layout
     kernel with "bf16") and kept to the GEMM; the weights one scale per output channel per
     expert, quantised from the bf16 weights once per optimizer step where the experts run more
-    than once per step (microbatches, AC's recompute; fp8_experts.WeightCache, in check's memory
-    estimate), else at each forward. Refused where it cannot run: CPU,
+    than once per step (microbatches, AC's recompute) or their weights stay whole between steps
+    (no EP, FSDP or TP: made right after each optimizer step, while the host logs the step;
+    fp8_experts.WeightCache, in check's memory estimate), else at each forward. Refused where it cannot run: CPU,
     GPUs other than Hopper (a B200's FP8 recipe is MXFP8 through [model] converters =
     ["quantize.grouped_mm.mx"]), backends that cannot feed e4m3 rows, with a grouped_mm
     converter, and with an overlap other than "none"."""

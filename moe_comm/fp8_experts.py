@@ -22,7 +22,9 @@ experiments/fp8_grouped_gemm_probe.py measures the GEMMs). So nothing here is qu
   not twice, and no column statistics are taken. Where the experts' forward runs more than once
   per optimizer step (several microbatches, or an activation-checkpointing recompute), both
   copies are kept in a `WeightCache` until the weights change, so each is made once per step;
-  see it. Otherwise the forward's copies are saved for the backward (1 byte per weight).
+  see it. So are they where the weights stay whole between steps (the one-GPU recipe), made
+  right after each optimizer step while the host logs the step. Otherwise the forward's copies
+  are saved for the backward (1 byte per weight).
 - between the GEMMs: one fused kernel computes silu(h1) * h3 and quantises it; in the backward
   one fused kernel computes the gate's gradient and quantises it.
 
@@ -53,8 +55,11 @@ rows); rows past the last segment are never read.
 """
 
 import contextlib
+import weakref
+from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from moe_comm import gpus
@@ -158,12 +163,15 @@ def check_shapes(dim: int, inter: int) -> None:
                          f"at most {MAX_CHANNELS}: set [moe_comm] expert_dtype = \"bf16\" for this flavor")
 
 
-def caches_weights(forwards_per_step: int, ac_mode: str) -> bool:
+def caches_weights(forwards_per_step: int, ac_mode: str, weights_sharded: bool) -> bool:
     """Whether a run keeps the e4m3 weights over the step (`WeightCache`): where the experts'
     forward runs more than once between two optimizer steps - several microbatches (pipeline
-    microbatches or gradient accumulation), or activation checkpointing's recompute. One forward
-    and one backward per step (the one-GPU recipe) reuse nothing, and would only hold the copies."""
-    return forwards_per_step > 1 or ac_mode != "none"
+    microbatches or gradient accumulation), or activation checkpointing's recompute - and where
+    the experts' weights are whole tensors of their own between steps (no EP, FSDP or TP sharding:
+    the one-GPU recipe), whose copies the cache makes right after each optimizer step
+    (`WeightCache(weights=...)`). Sharded weights exist whole only while FSDP gathers them for a
+    forward, and a single forward a step reuses nothing."""
+    return forwards_per_step > 1 or ac_mode != "none" or not weights_sharded
 
 
 def forward_weight_bytes(local_experts: int, dim: int, inter: int) -> int:
@@ -180,15 +188,19 @@ def cached_weight_bytes(local_experts: int, dim: int, inter: int) -> int:
 
 _optimizer_steps = 0  # optimizer steps this process has taken, once a WeightCache exists
 _step_hook = None
+_ahead = weakref.WeakSet()  # the WeightCaches that make their copies right after an optimizer step
 
 
 def _count_optimizer_steps() -> None:
-    """Count every optimizer step from now on (one global hook, whichever optimizer steps)."""
+    """Count every optimizer step from now on (one global hook, whichever optimizer steps), and
+    have the caches that make their copies ahead make them."""
     global _step_hook
 
     def stepped(optimizer, args, kwargs):
         global _optimizer_steps
         _optimizer_steps += 1
+        for cache in list(_ahead):
+            cache.make_ahead()
 
     if _step_hook is None:
         _step_hook = register_optimizer_step_post_hook(stepped)
@@ -219,15 +231,27 @@ class WeightCache:
     forward and kept to its end had the blocks freed by the last step's copies split up by the
     step's activations in between, so the allocator reserved new ones every step (the one-GPU
     recipe under full AC: +2 GiB reserved per step, out of memory at step 18). In their own pool
-    the same sizes come back each step and reuse the same blocks."""
+    the same sizes come back each step and reuse the same blocks.
 
-    def __init__(self):
+    Given `weights` (the layer's w1, w2, w3 as they stay between steps: whole tensors of its own,
+    not gathered by FSDP), the cache makes both copies right after each optimizer step, on a
+    stream of its own: TorchTitan then reads the loss (the host waits for the GPU), logs the step
+    and moves the next batch over, while the GPU would otherwise sit idle (run 47: about 8 ms of
+    each step of the one-GPU recipe). The first forward after it waits for that stream. Without
+    `weights` the copies are made by the step's first forward and first backward."""
+
+    def __init__(self, weights: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None):
         _count_optimizer_steps()
         self._key: tuple | None = None
         self._forward: tuple | None = None
         self._transposed: dict[str, tuple] = {}
         self._pool = None  # torch.cuda.MemPool, made at the first CUDA copy
+        self._weights = weights
+        self._stream = None  # where the copies made ahead are made (CUDA)
+        self._ready = None  # the event that ends them, until a forward waits for it
         self.made = {"forward": 0, "transposed": 0}  # how often each was quantised (tests, benchmark)
+        if weights is not None:
+            _ahead.add(self)
 
     def _in_pool(self, w: torch.Tensor):
         """Allocate what the quantising makes in the cache's own pool (on CUDA)."""
@@ -242,8 +266,15 @@ class WeightCache:
         return (_optimizer_steps,) + tuple((id(w._base if w._base is not None else w), w.data_ptr(), w._version,
                                             tuple(w.shape), w.stride(), w.dtype) for w in weights)
 
+    def _wait(self) -> None:
+        """The current stream waits for the copies made ahead (once per making)."""
+        if self._ready is not None:
+            torch.cuda.current_stream().wait_event(self._ready)
+            self._ready = None
+
     def forward(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple:
         """((W1|W3 e4m3, row scales), (W2 e4m3, row scales))."""
+        self._wait()
         key = self._key_of((w1, w2, w3))
         if key != self._key or self._forward is None:
             self._key, self._forward, self._transposed = None, None, {}  # the stale copies go first
@@ -257,6 +288,7 @@ class WeightCache:
         """dgrad's transposed codes `name` ("w2" or "w13") of the forward copy q. Kept only where q
         is a copy this cache holds now: a backward whose forward saw weights since replaced
         (never in TorchTitan's order) gets its own, uncached."""
+        self._wait()
         if self._forward is None or not any(q is copy for copy, _ in self._forward):
             return fp8.weights_transposed(q)
         if name not in self._transposed:
@@ -264,6 +296,32 @@ class WeightCache:
                 self._transposed[name] = fp8.weights_transposed(q)
             self.made["transposed"] += 1
         return self._transposed[name]
+
+    def make_ahead(self) -> None:
+        """Both copies of the weights as they are now (right after an optimizer step), on the
+        cache's own stream where they are CUDA tensors; the next forward waits for them."""
+        w1, w2, w3 = self._weights()
+        if any(isinstance(w, DTensor) for w in (w1, w2, w3)):
+            raise RuntimeError("the FP8 experts' WeightCache makes copies ahead of whole weights only; these are "
+                               "sharded (DTensor) and exist whole only while FSDP gathers them for a forward")
+        self._ready = None
+        if not w1.is_cuda:
+            with torch.no_grad():
+                self._make_all(w1, w2, w3)
+            return
+        main = torch.cuda.current_stream(w1.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(w1.device)
+        self._stream.wait_stream(main)  # after the optimizer's writes of the weights
+        with torch.cuda.stream(self._stream), torch.no_grad():
+            copies = self._make_all(w1, w2, w3)
+        for t in copies:
+            t.record_stream(main)  # read there: their memory is not reused before those reads end
+        self._ready = self._stream.record_event()
+
+    def _make_all(self, w1, w2, w3) -> list[torch.Tensor]:
+        (w13_q, w13_scale), (w2_q, w2_scale) = self.forward(w1, w2, w3)
+        return [w13_q, w13_scale, w2_q, w2_scale, self.transposed("w13", w13_q), self.transposed("w2", w2_q)]
 
 
 def _mark(marks: list | None, name: str) -> None:

@@ -270,10 +270,48 @@ def test_the_weight_cache_sees_every_change_of_the_weights():
     assert forward([t.clone() for t in w]) == 4  # other tensors: never another's copy
 
 
-def test_a_run_caches_the_weights_only_where_its_experts_run_twice_per_step():
-    assert not fp8_experts.caches_weights(1, "none")  # the one-GPU recipe: nothing to reuse
-    assert fp8_experts.caches_weights(2, "none")  # pipeline microbatches or gradient accumulation
-    assert fp8_experts.caches_weights(1, "full") and fp8_experts.caches_weights(1, "selective")  # the recompute
+def test_the_weight_cache_makes_whole_weights_ahead_of_the_next_step():
+    """Given the weights, the cache makes both copies at each optimizer step (the one-GPU
+    recipe: while the host logs the step); the next forward and backward make nothing, and every
+    output, rows' gradient and weight gradient equals the uncached run's bit for bit, so the copies
+    are of the weights the optimizer just wrote."""
+    case = make_case(5)
+    runs = {}
+    for ahead in (False, True):
+        w = [t.clone().float().requires_grad_(True) for t in (case.w1, case.w2, case.w3)]
+        opt = torch.optim.SGD(w, lr=0.5)
+        cache = fp8_experts.WeightCache(lambda: tuple(w)) if ahead else None
+        out, made = [], []
+        for step in range(3):
+            out.append(_microbatch(case, w, cache))
+            out.append({f"grad_w{i}": t.grad.clone() for i, t in enumerate(w)})
+            made.append(dict(cache.made) if cache else None)
+            opt.step()
+            opt.zero_grad()
+        runs[ahead] = (out, made)
+    for got, want in zip(runs[True][0], runs[False][0]):
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+    # the first step's forward and backward make them; then each optimizer step does, none between
+    assert runs[True][1] == [{"forward": 1, "transposed": 2}, {"forward": 2, "transposed": 4},
+                             {"forward": 3, "transposed": 6}]
+
+
+def test_a_run_caches_the_weights_where_they_are_reused_or_whole_between_steps():
+    assert not fp8_experts.caches_weights(1, "none", True)  # one forward a step on FSDP's gathered weights
+    assert fp8_experts.caches_weights(1, "none", False)  # whole weights (world 1): made ahead of the step
+    assert fp8_experts.caches_weights(2, "none", True)  # pipeline microbatches or gradient accumulation
+    assert fp8_experts.caches_weights(1, "full", True) and fp8_experts.caches_weights(1, "selective", True)  # recompute
+    from moe_comm.layout import Layout
+
+    def layout(**degrees):
+        d = dict(world=8, nodes=1, procs_per_node=8, dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1)
+        return Layout(**{**d, **degrees})
+
+    assert not layout(world=1, procs_per_node=1).experts_sharded
+    assert not layout(dp_replicate=8).experts_sharded  # DDP keeps whole parameters
+    assert layout(dp_shard=8, ep=8).experts_sharded and layout(dp_shard=8).experts_sharded
+    assert layout(tp=8).experts_sharded
     # the forward's e4m3 copies with one fp32 scale per row; dgrad's transposed codes, no scales
     assert fp8_experts.forward_weight_bytes(8, 7168, 2048) == 3 * 8 * 7168 * 2048 + 4 * 8 * (2 * 2048 + 7168)
     assert fp8_experts.cached_weight_bytes(8, 7168, 2048) == 2 * 3 * 8 * 7168 * 2048 + 4 * 8 * (2 * 2048 + 7168)

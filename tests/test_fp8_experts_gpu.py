@@ -341,6 +341,47 @@ def test_the_weight_cache_at_the_flagship_shape(routing):
         assert torch.equal(got, want), i
 
 
+def test_the_weight_cache_makes_whole_weights_ahead_on_its_own_stream(monkeypatch):
+    """The one-GPU recipe's cache: given the weights, it makes both copies at each optimizer step
+    on a stream of its own. Three steps (forward, backward, SGD step) give the uncached run's
+    outputs and gradients bit for bit. Both waits are provoked: the optimizer's step is queued
+    behind 20 ms of sleep on the main stream (copies made without waiting for it would be of the
+    old weights), and each making starts with 20 ms of sleep on the cache's stream (a forward
+    that did not wait for it would read copies not yet written)."""
+    x, dy, w, counts_L, _ = flagship_case(COUNTS["skewed"])
+    q, scale = ref.quantise_rows(x, ref.MIN_AMAX_ROWS)
+    used = int(counts_L.sum())
+    cycles = int(torch.cuda.get_device_properties(DEVICE).clock_rate * 20)  # kHz x 20 ms
+    quantise = fp8.weights
+
+    def slow_weights(*args):
+        torch.cuda._sleep(cycles)
+        return quantise(*args)
+
+    runs = {}
+    for ahead in (False, True):
+        leaves = [t.clone().float().requires_grad_(True) for t in w]
+        opt = torch.optim.SGD(leaves, lr=1e-3)
+        cache = fp8_experts.WeightCache(lambda: tuple(leaves)) if ahead else None
+        out = []
+        for step in range(3):
+            carrier = torch.zeros((), dtype=torch.bfloat16, device=DEVICE, requires_grad=True).expand(x.shape)
+            y = fp8_experts.grouped_experts(*leaves, carrier, Fp8Rows(q, scale), counts_L, cache=cache)
+            y.backward(dy)
+            out += [y.detach()[:used]] + [t.grad.clone() for t in leaves]
+            torch.cuda._sleep(cycles)
+            if ahead:
+                monkeypatch.setattr(fp8, "weights", slow_weights)
+            opt.step()
+            monkeypatch.setattr(fp8, "weights", quantise)
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        runs[ahead] = (out, cache.made if cache else None)
+    assert runs[True][1] == {"forward": 4, "transposed": 8}  # the first step's, then one making per step
+    for i, (got, want) in enumerate(zip(runs[True][0], runs[False][0])):
+        assert torch.equal(got, want), i
+
+
 def test_the_weight_cache_reserves_nothing_more_step_after_step():
     """The copies in the cache's own pool: 12 steps of a miss (the weights changed), a forward,
     a backward and activation-sized allocations in between, and the allocator's reserve stays

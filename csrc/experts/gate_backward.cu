@@ -17,7 +17,7 @@
 namespace moe_comm {
 
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) gate_backward_kernel(const GateBackwardArgs a) {
+__global__ void __launch_bounds__(kThreads, kThreadsPerSm / kThreads / 4) gate_backward_kernel(const GateBackwardArgs a) {
   __shared__ float scratch[kThreads / kWarpSize];
   extern __shared__ float4 walk_s[];
   int64_t first, last;

@@ -15,7 +15,7 @@
 namespace moe_comm {
 
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) quantise_rows_kernel(const QuantiseRowsArgs a) {
+__global__ void __launch_bounds__(kThreads, kThreadsPerSm / kThreads / 2) quantise_rows_kernel(const QuantiseRowsArgs a) {
   __shared__ float scratch[kThreads / kWarpSize];
   extern __shared__ float4 walk_s[];
   int64_t first, last;

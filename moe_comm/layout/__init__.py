@@ -44,6 +44,12 @@ class Layout:
     def efsdp(self) -> int:
         return self.dp_shard * self.cp * self.tp // (self.etp * self.ep)
 
+    @property
+    def experts_sharded(self) -> bool:
+        """Whether the routed experts' weights are DTensor shards (EP, FSDP or TP over them): whole
+        only while FSDP gathers them for a forward, not between steps."""
+        return self.ep * self.efsdp * self.etp > 1
+
 
 @dataclass(frozen=True)
 class RunPlan:

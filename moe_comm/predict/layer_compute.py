@@ -351,7 +351,7 @@ def _rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: bo
     float8 = "quantize.grouped_mm.float8" in converters
     ours_fp8 = getattr(w, "expert_dtype", "bf16") == "fp8"
     # ours keeps its e4m3 weights over the step; torchao's MXFP8 quantises them at every call
-    cached_fp8 = ours_fp8 and fp8_experts.caches_weights(w.microbatches, w.ac_mode)
+    cached_fp8 = ours_fp8 and fp8_experts.caches_weights(w.microbatches, w.ac_mode, w.layout.experts_sharded)
     if mx and there.gpu != "B200":
         raise ValueError(f"MXFP8 grouped GEMMs (quantize.grouped_mm.mx) need a B200 (SM100), not {there.gpu}")
     linear_fp8 = "quantize.linear.float8" in converters

@@ -828,7 +828,7 @@ def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
     if w.expert_dtype == "fp8":
         shape = (w.args.moe_args.num_experts // max(w.layout.ep, 1), w.args.dim, w.args.moe_inter_dim)
         forward = fp8_experts.forward_weight_bytes(*shape)
-        if fp8_experts.caches_weights(w.microbatches * w.accumulation, w.ac_mode):
+        if fp8_experts.caches_weights(w.microbatches * w.accumulation, w.ac_mode, w.layout.experts_sharded):
             kept = fp8_experts.cached_weight_bytes(*shape)
     return estimate.memory_per_gpu(
         w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch, w.pp_schedule, w.layers_per_stage,

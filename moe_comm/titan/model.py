@@ -63,7 +63,8 @@ class TokenLevelExperts(GroupedExperts):
     grouped GEMMs run in FP8 (moe_comm.fp8_experts), on the same parameters."""
 
     rows_from_backend: bool = False
-    # set by moe_comm.titan.parallelize where the FP8 experts run more than once per step
+    # set by moe_comm.titan.parallelize where the FP8 experts keep their e4m3 weights over the step
+    # (fp8_experts.caches_weights)
     fp8_weight_cache: "fp8_experts.WeightCache | None" = None
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor,

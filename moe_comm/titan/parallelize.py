@@ -125,12 +125,15 @@ def parallelize_deepseekv3_moe_comm(
         )
 
     apply_backend_ep(model, ep_mesh(parallel_dims), job_config.moe_comm)
+    sharded = run_layout(parallel_dims).experts_sharded
     if job_config.moe_comm.expert_dtype == "fp8" and fp8_experts.caches_weights(
-        forwards_per_step(job_config, parallel_dims), job_config.activation_checkpoint.mode
+        forwards_per_step(job_config, parallel_dims), job_config.activation_checkpoint.mode, sharded
     ):
         for block in model.layers.values():
             if block.moe_enabled:
-                block.moe.experts.fp8_weight_cache = fp8_experts.WeightCache()
+                experts = block.moe.experts
+                # whole weights between steps: their copies are made right after each optimizer step
+                experts.fp8_weight_cache = fp8_experts.WeightCache(None if sharded else experts._local_weights)
     # An overlap across microbatches: TorchTitan wraps its ExpertParallel in DualPipeExpertParallel
     # under DualPipeV; our dispatch/combine live in TokenLevelMoE.forward, so the sync points go
     # there, for DualPipeV and for overlap "microbatch" (moe_comm.titan.pipeline) alike.
