@@ -275,14 +275,21 @@ class WeightCache:
     def forward(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple:
         """((W1|W3 e4m3, row scales), (W2 e4m3, row scales))."""
         self._wait()
-        key = self._key_of((w1, w2, w3))
-        if key != self._key or self._forward is None:
-            self._key, self._forward, self._transposed = None, None, {}  # the stale copies go first
-            with self._in_pool(w1):
-                self._forward = (fp8.weights(w1, w3), fp8.weights(w2))
-            self._key = key
-            self.made["forward"] += 1
+        if self._key_of((w1, w2, w3)) != self._key or self._forward is None:
+            if self._weights is not None:  # all its copies on its stream, whichever makes them
+                self._make_ahead(w1, w2, w3)
+                self._wait()
+            else:
+                self._make_forward(w1, w2, w3)
         return self._forward
+
+    def _make_forward(self, w1, w2, w3) -> None:
+        key = self._key_of((w1, w2, w3))
+        self._key, self._forward, self._transposed = None, None, {}  # the stale copies go first
+        with self._in_pool(w1):
+            self._forward = (fp8.weights(w1, w3), fp8.weights(w2))
+        self._key = key
+        self.made["forward"] += 1
 
     def transposed(self, name: str, q: torch.Tensor) -> torch.Tensor:
         """dgrad's transposed codes `name` ("w2" or "w13") of the forward copy q. Kept only where q
@@ -298,30 +305,31 @@ class WeightCache:
         return self._transposed[name]
 
     def make_ahead(self) -> None:
-        """Both copies of the weights as they are now (right after an optimizer step), on the
-        cache's own stream where they are CUDA tensors; the next forward waits for them."""
+        """Both copies of the weights as they are now (the optimizer step hook calls this)."""
         w1, w2, w3 = self._weights()
         if any(isinstance(w, DTensor) for w in (w1, w2, w3)):
             raise RuntimeError("the FP8 experts' WeightCache makes copies ahead of whole weights only; these are "
                                "sharded (DTensor) and exist whole only while FSDP gathers them for a forward")
-        self._ready = None
-        if not w1.is_cuda:
-            with torch.no_grad():
-                self._make_all(w1, w2, w3)
-            return
-        main = torch.cuda.current_stream(w1.device)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(w1.device)
-        self._stream.wait_stream(main)  # after the optimizer's writes of the weights
-        with torch.cuda.stream(self._stream), torch.no_grad():
-            copies = self._make_all(w1, w2, w3)
-        for t in copies:
-            t.record_stream(main)  # read there: their memory is not reused before those reads end
-        self._ready = self._stream.record_event()
+        self._make_ahead(w1, w2, w3)
 
-    def _make_all(self, w1, w2, w3) -> list[torch.Tensor]:
-        (w13_q, w13_scale), (w2_q, w2_scale) = self.forward(w1, w2, w3)
-        return [w13_q, w13_scale, w2_q, w2_scale, self.transposed("w13", w13_q), self.transposed("w2", w2_q)]
+    def _make_ahead(self, w1, w2, w3) -> None:
+        """Both copies, on the cache's own stream where the weights are CUDA tensors, after all the
+        current stream has queued: the optimizer's writes of the weights, and every read of the
+        copies these replace, whose memory the new ones may take (so no record_stream, which
+        kept two steps' copies reserved: run 57). The next forward waits for them."""
+        self._ready = None
+        where = contextlib.nullcontext()
+        if w1.is_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(w1.device)
+            self._stream.wait_stream(torch.cuda.current_stream(w1.device))
+            where = torch.cuda.stream(self._stream)
+        with where, torch.no_grad():
+            self._make_forward(w1, w2, w3)
+            for name, (q, _) in zip(("w13", "w2"), self._forward):
+                self.transposed(name, q)
+        if w1.is_cuda:
+            self._ready = self._stream.record_event()
 
 
 def _mark(marks: list | None, name: str) -> None:
