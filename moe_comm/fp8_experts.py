@@ -218,7 +218,7 @@ class WeightCache:
 
     A copy is reused only while no optimizer has stepped since it was made (torch's global
     optimizer step hook counts the steps) and every weight is the same tensor, at the same
-    storage, with the same version counter. Both, because neither is enough alone: FSDP2 writes
+    storage, with the same version counter (whole weights: the versions alone, `_key_of`). Both, because neither is enough alone: FSDP2 writes
     each step's all-gathered weights into the unsharded parameters with their version counters
     preserved, and an optimizer's in-place update of an EP-sharded DTensor weight runs on its
     local tensor below autograd, which leaves the version of what `to_local()` returns as it was;
@@ -261,10 +261,14 @@ class WeightCache:
             self._pool = torch.cuda.MemPool()
         return torch.cuda.use_mem_pool(self._pool, w.device)
 
-    @staticmethod
-    def _key_of(weights: tuple) -> tuple:
-        return (_optimizer_steps,) + tuple((id(w._base if w._base is not None else w), w.data_ptr(), w._version,
-                                            tuple(w.shape), w.stride(), w.dtype) for w in weights)
+    def _key_of(self, weights: tuple) -> tuple:
+        # Whole weights (a cache that makes its copies ahead) are versioned by every optimizer's
+        # in-place update, so their versions alone say they changed; an optimizer step that left
+        # them as they were makes nothing (TorchTitan's OptimizersContainer is an optimizer that
+        # steps its own, so the step hook runs twice a step: run 59 made every copy twice).
+        steps = () if self._weights is not None else (_optimizer_steps,)
+        return steps + tuple((id(w._base if w._base is not None else w), w.data_ptr(), w._version, tuple(w.shape),
+                              w.stride(), w.dtype) for w in weights)
 
     def _wait(self) -> None:
         """The current stream waits for the copies made ahead (once per making)."""
@@ -305,12 +309,14 @@ class WeightCache:
         return self._transposed[name]
 
     def make_ahead(self) -> None:
-        """Both copies of the weights as they are now (the optimizer step hook calls this)."""
+        """Both copies of the weights as they are now, unless they are already (the optimizer step
+        hook calls this)."""
         w1, w2, w3 = self._weights()
         if any(isinstance(w, DTensor) for w in (w1, w2, w3)):
             raise RuntimeError("the FP8 experts' WeightCache makes copies ahead of whole weights only; these are "
                                "sharded (DTensor) and exist whole only while FSDP gathers them for a forward")
-        self._make_ahead(w1, w2, w3)
+        if self._forward is None or self._key_of((w1, w2, w3)) != self._key:
+            self._make_ahead(w1, w2, w3)
 
     def _make_ahead(self, w1, w2, w3) -> None:
         """Both copies, on the cache's own stream where the weights are CUDA tensors, after all the

@@ -270,6 +270,18 @@ def test_the_weight_cache_sees_every_change_of_the_weights():
     assert forward([t.clone() for t in w]) == 4  # other tensors: never another's copy
 
 
+class _Container(torch.optim.Optimizer):
+    """An optimizer that steps an optimizer of its own, as TorchTitan's OptimizersContainer does:
+    torch's step hooks run for both."""
+
+    def __init__(self, params):
+        self.inner = torch.optim.SGD(params, lr=0.5)
+        super().__init__(params, {"lr": 0.5})
+
+    def step(self, closure=None):
+        self.inner.step()
+
+
 def test_the_weight_cache_makes_whole_weights_ahead_of_the_next_step():
     """Given the weights, the cache makes both copies at each optimizer step (the one-GPU
     recipe: while the host logs the step); the next forward and backward make nothing, and every
@@ -279,7 +291,7 @@ def test_the_weight_cache_makes_whole_weights_ahead_of_the_next_step():
     runs = {}
     for ahead in (False, True):
         w = [t.clone().float().requires_grad_(True) for t in (case.w1, case.w2, case.w3)]
-        opt = torch.optim.SGD(w, lr=0.5)
+        opt = _Container(w)  # two optimizer steps a step, as TorchTitan's: the copies made once
         cache = fp8_experts.WeightCache(lambda: tuple(w)) if ahead else None
         out, made = [], []
         for step in range(3):
