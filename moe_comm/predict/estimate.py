@@ -185,9 +185,10 @@ class MemoryEstimate:
     comm_kept: float = 0.0
     # the memory pools of the MoE calls' CUDA graphs (call_graph_bytes), held for the whole step
     call_graphs: float = 0.0
-    # the FP8 experts' e4m3 weights, kept over the step where their forward runs more than once
-    # (moe_comm.fp8_experts.WeightCache): the forward's copies from the step's first forward, dgrad's
-    # transposed copies (as many bytes) from its first backward to the next step's first forward
+    # the FP8 experts' e4m3 weights, kept over the step where the run caches them
+    # (moe_comm.fp8_experts.caches_weights, WeightCache): the forward's copies from the step's first
+    # forward (or the last optimizer step, for whole weights), dgrad's transposed copies (as many
+    # bytes) from its first backward (or with the forward's) to the next step's first forward
     fp8_weights: float = 0.0
     # of those (or, in a run that does not cache, what each MoE layer's forward saves for its
     # backward, which transposes them), the forward's copies: held at the forward's end

@@ -406,8 +406,8 @@ def _rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: bo
             return None, name, None
         if part == "experts":
             if mx or ours_fp8:
-                # where the run's experts run more than once per step, their weights are quantised
-                # once per step (moe_comm.fp8_experts.WeightCache): the part timed that way
+                # where the run caches its e4m3 weights (moe_comm.fp8_experts.caches_weights), they
+                # are quantised once per step, outside the experts' calls: the part timed that way
                 p = (cached_fp8 and bench.part(name, f"experts.{FP8_EXPERTS}_cached.{routing}")) \
                     or bench.part(name, f"experts.{FP8_EXPERTS}.{routing}")
                 if p:
