@@ -238,7 +238,8 @@ def test_the_first_step_after_a_resume_is_one_steps_time(resumed):
     Every per-step figure of a log line shares that divisor, so the bytes sent (fixed by the
     batch, up to routing) show it exactly: a fifth of the next step's under the bug. Times on
     this oversubscribed CPU (four ranks and a background compile on two cores) swing 3x from step
-    to step, so the step time is held only against the fastest later step, loosely.
+    to step, so the step time is held only against the fastest later step, loosely: a fresh
+    clone's suite beside other work measured 0.47 of it (6.3 against 13.4 s), the bug about 0.1-0.2.
     """
     rows = _rows(resumed.dump)
     first, later = rows[5], [rows[s] for s in sorted(rows) if s > 5]
@@ -246,7 +247,7 @@ def test_the_first_step_after_a_resume_is_one_steps_time(resumed):
     for row in later:
         assert 0.5 < first[keys.SENT_GB] / row[keys.SENT_GB] < 2, (first[keys.SENT_GB], row[keys.SENT_GB])
     fastest_ms = min(row[keys.STEP_MS] for row in later)
-    assert first[keys.STEP_MS] > 0.5 * fastest_ms, (first[keys.STEP_MS], fastest_ms)
+    assert first[keys.STEP_MS] > 0.3 * fastest_ms, (first[keys.STEP_MS], fastest_ms)
 
 
 def test_a_second_run_in_the_same_folder_is_refused_before_torchrun(resumed):
