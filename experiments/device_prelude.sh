@@ -7,7 +7,7 @@
 # - csrc/ built for SM 9.0 into /tmp/b (MOE_COMM_LIBRARY points there), its log in $o/build.log;
 # - $o (/tmp/o, empty) for what the call writes, `stamp MSG` (seconds since the start, named
 #   NAME), and `pack` (a tarball of $o into $OUT/NAME.tgz, which the device tool brings back;
-#   large traces and checkpoints left out).
+#   large traces and checkpoints left out); `train NAME [overrides...]` (below).
 # Earlier calls' scripts (runs 46-54) carry these lines themselves, as they ran.
 name=${1:?usage: source experiments/device_prelude.sh NAME}
 set -uo pipefail
@@ -24,3 +24,14 @@ pack() {
 export PYTHONPATH=/tmp/site:$PWD
 MAX_JOBS=16 python3 -m moe_comm build --arch 90 --out /tmp/b > $o/build.log 2>&1; stamp "build exit $?"
 export MOE_COMM_LIBRARY=/tmp/b/moe_comm_cuda.so
+# `train NAME [overrides...]`: the one-GPU recipe for TRAIN_STEPS (100) steps into $o/runs/NAME, its
+# log $o/train_NAME.log; TRAIN_TREE and TRAIN_LIBRARY run another tree's copy and build (a
+# before/after pair in one call; default this tree and /tmp/b). Runs 44-58 wrote this loop inline.
+train() {
+  local name=$1; shift
+  local tree=${TRAIN_TREE:-$PWD} lib=${TRAIN_LIBRARY:-$MOE_COMM_LIBRARY}
+  (cd "$tree" && PYTHONPATH=/tmp/site:$tree MOE_COMM_LIBRARY=$lib timeout "${TRAIN_TIMEOUT:-120}" python3 -m moe_comm \
+    train recipes/deepseek_v3_671b_h200x1.toml --training.steps "${TRAIN_STEPS:-100}" --metrics.log_freq 1 \
+    --metrics.no-enable-wandb --job.dump_folder "$o/runs/$name" "$@" > "$o/train_$name.log" 2>&1)
+  stamp "$name exit $?"; grep -E "done|FAILED|Error" "$o/train_$name.log" | cut -c1-200 | tail -2
+}
