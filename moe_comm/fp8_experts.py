@@ -270,6 +270,10 @@ class WeightCache:
         return steps + tuple((id(w._base if w._base is not None else w), w.data_ptr(), w._version, tuple(w.shape),
                               w.stride(), w.dtype) for w in weights)
 
+    def _stale(self, weights: tuple) -> bool:
+        """Whether the copies held (if any) are not of these weights as they are now."""
+        return self._forward is None or self._key_of(weights) != self._key
+
     def _wait(self) -> None:
         """The current stream waits for the copies made ahead (once per making)."""
         if self._ready is not None:
@@ -279,7 +283,7 @@ class WeightCache:
     def forward(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple:
         """((W1|W3 e4m3, row scales), (W2 e4m3, row scales))."""
         self._wait()
-        if self._key_of((w1, w2, w3)) != self._key or self._forward is None:
+        if self._stale((w1, w2, w3)):
             if self._weights is not None:  # all its copies on its stream, whichever makes them
                 self._make_ahead(w1, w2, w3)
                 self._wait()
@@ -315,7 +319,7 @@ class WeightCache:
         if any(isinstance(w, DTensor) for w in (w1, w2, w3)):
             raise RuntimeError("the FP8 experts' WeightCache makes copies ahead of whole weights only; these are "
                                "sharded (DTensor) and exist whole only while FSDP gathers them for a forward")
-        if self._forward is None or self._key_of((w1, w2, w3)) != self._key:
+        if self._stale((w1, w2, w3)):
             self._make_ahead(w1, w2, w3)
 
     def _make_ahead(self, w1, w2, w3) -> None:

@@ -127,18 +127,28 @@ def _ep_worker(rank, port, results):
             opt.step()
             opt.zero_grad()
         outs[cached] = (got, dict(cache.made) if cache else None)
+    # a cache that would make copies ahead of these weights: they are shards, never whole between steps
+    ahead = fp8_experts.WeightCache(lambda: tuple(params))
+    try:
+        ahead.make_ahead()
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    del ahead
     results[rank] = {"equal": all(torch.equal(a, b) for a, b in zip(outs[True][0], outs[False][0])),
-                     "made": outs[True][1], "versions": versions}
+                     "made": outs[True][1], "versions": versions, "refused": refused}
     dist.destroy_process_group()
 
 
 def test_the_weight_cache_follows_ep_sharded_weights_the_optimizer_changes():
     """AdamW updates a DTensor's local tensor below autograd: the version of what to_local()
     returns stays as it was while the values change, so only the optimizer-step key refreshes
-    the cache; with it, every step's output and gradients equal the uncached model's."""
+    the cache; with it, every step's output and gradients equal the uncached model's. A cache
+    asked to make copies ahead of such shards refuses (they are whole only while gathered)."""
     results = mp.Manager().dict()
     ranks.spawn(_ep_worker, args=(free_port(), results), nprocs=2)
     for rank in (0, 1):
         r = results[rank]
         assert r["equal"] and r["made"] == {"forward": 3, "transposed": 6}, r
         assert len(set(r["versions"])) == 1, r["versions"]  # the values changed, the version did not
+        assert "sharded (DTensor)" in r["refused"], r  # copies made ahead only of whole weights

@@ -132,8 +132,10 @@ def parallelize_deepseekv3_moe_comm(
         for block in model.layers.values():
             if block.moe_enabled:
                 experts = block.moe.experts
-                # whole weights between steps: their copies are made right after each optimizer step
-                experts.fp8_weight_cache = fp8_experts.WeightCache(None if sharded else experts._local_weights)
+                # whole weights between steps: their copies are made right after each optimizer
+                # step, from the parameters as the module holds them (the cache refuses DTensors)
+                weights = None if sharded else (lambda e=experts: (e.w1, e.w2, e.w3))
+                experts.fp8_weight_cache = fp8_experts.WeightCache(weights)
     # An overlap across microbatches: TorchTitan wraps its ExpertParallel in DualPipeExpertParallel
     # under DualPipeV; our dispatch/combine live in TokenLevelMoE.forward, so the sync points go
     # there, for DualPipeV and for overlap "microbatch" (moe_comm.titan.pipeline) alike.
