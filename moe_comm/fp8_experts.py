@@ -60,7 +60,7 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from moe_comm import gpus
 from moe_comm.errors import RecipeError
@@ -187,23 +187,42 @@ def cached_weight_bytes(local_experts: int, dim: int, inter: int) -> int:
 
 
 _optimizer_steps = 0  # optimizer steps this process has taken, once a WeightCache exists
-_step_hook = None
+_stepping: list = []  # the optimizers whose step is under way, outermost first
+_step_hooks = None
 _ahead = weakref.WeakSet()  # the WeightCaches that make their copies right after an optimizer step
 
 
 def _count_optimizer_steps() -> None:
-    """Count every optimizer step from now on (one global hook, whichever optimizer steps), and
-    have the caches that make their copies ahead make them."""
-    global _step_hook
+    """Count every optimizer step from now on (global hooks, whichever optimizer steps), and have
+    the caches that make their copies ahead make them.
+
+    A step taken inside another optimizer's step counts as part of it, once, when the outermost
+    one ends: TorchTitan's OptimizersContainer is an optimizer that steps its own, so torch's
+    hooks run twice a step, and counting both made every copy twice (run 59). The versions of
+    the weights cannot tell the two apart: a fused optimizer (TorchTitan's AdamW) writes them
+    without bumping their version counters, so copies keyed on versions alone were never made
+    again after the first step (run 60)."""
+    global _step_hooks
+
+    def started(optimizer, args, kwargs):
+        for i, o in enumerate(_stepping):  # already under way: that step raised, it and those inside it are over
+            if o is optimizer:
+                del _stepping[i:]
+                break
+        _stepping.append(optimizer)
 
     def stepped(optimizer, args, kwargs):
         global _optimizer_steps
+        while _stepping and _stepping.pop() is not optimizer:
+            pass
+        if _stepping:  # inside another optimizer's step: counted when that one ends
+            return
         _optimizer_steps += 1
         for cache in list(_ahead):
             cache.make_ahead()
 
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(stepped)
+    if _step_hooks is None:
+        _step_hooks = (register_optimizer_step_pre_hook(started), register_optimizer_step_post_hook(stepped))
 
 
 class WeightCache:
@@ -218,7 +237,8 @@ class WeightCache:
 
     A copy is reused only while no optimizer has stepped since it was made (torch's global
     optimizer step hook counts the steps) and every weight is the same tensor, at the same
-    storage, with the same version counter (whole weights: the versions alone, `_key_of`). Both, because neither is enough alone: FSDP2 writes
+    storage, with the same version counter. Both, because neither is enough alone: a fused optimizer
+    (TorchTitan's AdamW) writes the weights without bumping their versions; FSDP2 writes
     each step's all-gathered weights into the unsharded parameters with their version counters
     preserved, and an optimizer's in-place update of an EP-sharded DTensor weight runs on its
     local tensor below autograd, which leaves the version of what `to_local()` returns as it was;
@@ -262,13 +282,8 @@ class WeightCache:
         return torch.cuda.use_mem_pool(self._pool, w.device)
 
     def _key_of(self, weights: tuple) -> tuple:
-        # Whole weights (a cache that makes its copies ahead) are versioned by every optimizer's
-        # in-place update, so their versions alone say they changed; an optimizer step that left
-        # them as they were makes nothing (TorchTitan's OptimizersContainer is an optimizer that
-        # steps its own, so the step hook runs twice a step: run 59 made every copy twice).
-        steps = () if self._weights is not None else (_optimizer_steps,)
-        return steps + tuple((id(w._base if w._base is not None else w), w.data_ptr(), w._version, tuple(w.shape),
-                              w.stride(), w.dtype) for w in weights)
+        return (_optimizer_steps,) + tuple((id(w._base if w._base is not None else w), w.data_ptr(), w._version,
+                                            tuple(w.shape), w.stride(), w.dtype) for w in weights)
 
     def _stale(self, weights: tuple) -> bool:
         """Whether the copies held (if any) are not of these weights as they are now."""

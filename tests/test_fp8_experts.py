@@ -272,26 +272,30 @@ def test_the_weight_cache_sees_every_change_of_the_weights():
 
 class _Container(torch.optim.Optimizer):
     """An optimizer that steps an optimizer of its own, as TorchTitan's OptimizersContainer does:
-    torch's step hooks run for both."""
+    torch's step hooks run for both. `fused` steps a fused AdamW, TorchTitan's, which writes the
+    weights without bumping their version counters."""
 
-    def __init__(self, params):
-        self.inner = torch.optim.SGD(params, lr=0.5)
+    def __init__(self, params, fused: bool):
+        self.inner = torch.optim.AdamW(params, lr=0.05, fused=True) if fused else torch.optim.SGD(params, lr=0.5)
         super().__init__(params, {"lr": 0.5})
 
     def step(self, closure=None):
         self.inner.step()
 
 
-def test_the_weight_cache_makes_whole_weights_ahead_of_the_next_step():
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adamw"])
+def test_the_weight_cache_makes_whole_weights_ahead_of_the_next_step(fused):
     """Given the weights, the cache makes both copies at each optimizer step (the one-GPU
-    recipe: while the host logs the step); the next forward and backward make nothing, and every
-    output, rows' gradient and weight gradient equals the uncached run's bit for bit, so the copies
-    are of the weights the optimizer just wrote."""
+    recipe: while the host logs the step), once although the container's and its optimizer's
+    step hooks both run, and although a fused optimizer leaves the versions as they were; the
+    next forward and backward make nothing, and every output, rows' gradient and weight gradient
+    equals the uncached run's bit for bit, so the copies are of the weights the optimizer just
+    wrote."""
     case = make_case(5)
     runs = {}
     for ahead in (False, True):
         w = [t.clone().float().requires_grad_(True) for t in (case.w1, case.w2, case.w3)]
-        opt = _Container(w)  # two optimizer steps a step, as TorchTitan's: the copies made once
+        opt = _Container(w, fused)  # two optimizer steps a step, as TorchTitan's: the copies made once
         cache = fp8_experts.WeightCache(lambda: tuple(w)) if ahead else None
         out, made = [], []
         for step in range(3):
@@ -307,6 +311,39 @@ def test_the_weight_cache_makes_whole_weights_ahead_of_the_next_step():
     # the first step's forward and backward make them; then each optimizer step does, none between
     assert runs[True][1] == [{"forward": 1, "transposed": 2}, {"forward": 2, "transposed": 4},
                              {"forward": 3, "transposed": 6}]
+
+
+class _Raising(torch.optim.Optimizer):
+    """An optimizer whose step raises after its own optimizer stepped, once."""
+
+    def __init__(self, params):
+        self.inner = torch.optim.SGD(params, lr=0.5)
+        self.raised = False
+        super().__init__(params, {"lr": 0.5})
+
+    def step(self, closure=None):
+        self.inner.step()
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("a step that failed")
+
+
+def test_an_optimizer_step_that_raised_leaves_later_steps_counted():
+    """A step that raised never reaches torch's post hooks; the next step of the same optimizer
+    still counts, and the weights made ahead are made again."""
+    w = [torch.ones(4, 16, 32, requires_grad=True), torch.ones(4, 32, 16, requires_grad=True),
+         torch.ones(4, 16, 32, requires_grad=True)]
+    for t in w:
+        t.grad = torch.ones_like(t)
+    cache = fp8_experts.WeightCache(lambda: tuple(w))
+    opt = _Raising(w)
+    steps = fp8_experts._optimizer_steps
+    with pytest.raises(RuntimeError, match="failed"):
+        opt.step()
+    assert fp8_experts._optimizer_steps == steps
+    opt.step()
+    assert fp8_experts._optimizer_steps == steps + 1 and not fp8_experts._stepping
+    assert cache.made["forward"] == 1
 
 
 def test_a_run_caches_the_weights_where_they_are_reused_or_whole_between_steps():

@@ -343,7 +343,7 @@ def test_the_weight_cache_at_the_flagship_shape(routing):
 
 def test_the_weight_cache_makes_whole_weights_ahead_on_its_own_stream(monkeypatch):
     """The one-GPU recipe's cache: given the weights, it makes both copies at each optimizer step
-    on a stream of its own. Three steps (forward, backward, SGD step) give the uncached run's
+    on a stream of its own. Three steps (forward, backward, a fused AdamW step as TorchTitan's) give the uncached run's
     outputs and gradients bit for bit. Both waits are provoked: the optimizer's step is queued
     behind 20 ms of sleep on the main stream (copies made without waiting for it would be of the
     old weights), and each making starts with 20 ms of sleep on the cache's stream (a forward
@@ -361,7 +361,7 @@ def test_the_weight_cache_makes_whole_weights_ahead_on_its_own_stream(monkeypatc
     runs = {}
     for ahead in (False, True):
         leaves = [t.clone().float().requires_grad_(True) for t in w]
-        opt = torch.optim.SGD(leaves, lr=1e-3)
+        opt = torch.optim.AdamW(leaves, lr=1e-3, fused=True)  # TorchTitan's: no version bumps
         cache = fp8_experts.WeightCache(lambda: tuple(leaves)) if ahead else None
         out = []
         for step in range(3):
