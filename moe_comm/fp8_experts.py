@@ -219,7 +219,7 @@ def _count_optimizer_steps() -> None:
             return
         _optimizer_steps += 1
         for cache in list(_ahead):
-            cache.make_ahead()
+            cache.make_ahead(optimizer)
 
     if _step_hooks is None:
         _step_hooks = (register_optimizer_step_pre_hook(started), register_optimizer_step_post_hook(stepped))
@@ -327,13 +327,17 @@ class WeightCache:
             self.made["transposed"] += 1
         return self._transposed[name]
 
-    def make_ahead(self) -> None:
-        """Both copies of the weights as they are now, unless they are already (the optimizer step
-        hook calls this)."""
+    def make_ahead(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Both copies of the weights as they are now, unless they are already, or `optimizer`
+        (the one whose step just ended; the step hook passes it) holds none of them: TorchTitan's
+        optimizers in backward (`early_step_in_backward`) step one parameter at a time, and
+        each of those steps would otherwise make every layer's copies."""
         w1, w2, w3 = self._weights()
         if any(isinstance(w, DTensor) for w in (w1, w2, w3)):
             raise RuntimeError("the FP8 experts' WeightCache makes copies ahead of whole weights only; these are "
                                "sharded (DTensor) and exist whole only while FSDP gathers them for a forward")
+        if optimizer is not None and not _holds(optimizer, (w1, w2, w3)):
+            return
         if self._stale((w1, w2, w3)):
             self._make_ahead(w1, w2, w3)
 
@@ -355,6 +359,12 @@ class WeightCache:
                 self.transposed(name, q)
         if w1.is_cuda:
             self._ready = self._stream.record_event()
+
+
+def _holds(optimizer: torch.optim.Optimizer, weights: tuple) -> bool:
+    """Whether any of `weights` is among the parameters `optimizer` steps."""
+    ids = {id(w) for w in weights}
+    return any(id(p) in ids for group in optimizer.param_groups for p in group["params"])
 
 
 def _mark(marks: list | None, name: str) -> None:

@@ -270,47 +270,63 @@ def test_the_weight_cache_sees_every_change_of_the_weights():
     assert forward([t.clone() for t in w]) == 4  # other tensors: never another's copy
 
 
-class _Container(torch.optim.Optimizer):
-    """An optimizer that steps an optimizer of its own, as TorchTitan's OptimizersContainer does:
-    torch's step hooks run for both. `fused` steps a fused AdamW, TorchTitan's, which writes the
-    weights without bumping their version counters."""
+class _Experts(torch.nn.Module):
+    """The experts' weights as a model part TorchTitan's optimizer containers take."""
 
-    def __init__(self, params, fused: bool):
-        self.inner = torch.optim.AdamW(params, lr=0.05, fused=True) if fused else torch.optim.SGD(params, lr=0.5)
-        super().__init__(params, {"lr": 0.5})
-
-    def step(self, closure=None):
-        self.inner.step()
+    def __init__(self, case: Case):
+        super().__init__()
+        self.w1, self.w2, self.w3 = (torch.nn.Parameter(t.clone().float()) for t in (case.w1, case.w2, case.w3))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adamw"])
-def test_the_weight_cache_makes_whole_weights_ahead_of_the_next_step(fused):
-    """Given the weights, the cache makes both copies at each optimizer step (the one-GPU
-    recipe: while the host logs the step), once although the container's and its optimizer's
-    step hooks both run, and although a fused optimizer leaves the versions as they were; the
-    next forward and backward make nothing, and every output, rows' gradient and weight gradient
-    equals the uncached run's bit for bit, so the copies are of the weights the optimizer just
-    wrote."""
+def _titan_optimizers(kind: str, model: torch.nn.Module):
+    """TorchTitan's own optimizer containers, as build_optimizers makes them: its AdamW fused (the
+    recipes' implementation: it writes the weights without bumping their versions) or foreach,
+    stepped by an OptimizersContainer (itself an optimizer that steps its own: torch's step hooks
+    run for both), or one optimizer per parameter stepped in the backward."""
+    from torchtitan.components.optimizer import OptimizersContainer, OptimizersInBackwardContainer
+
+    kwargs = {"lr": 0.05, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "fused": kind != "foreach",
+              "foreach": kind == "foreach"}
+    container = OptimizersInBackwardContainer if kind == "in_backward" else OptimizersContainer
+    return container([model], torch.optim.AdamW, kwargs)
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "in_backward"])
+def test_the_weight_cache_makes_whole_weights_ahead_of_the_next_step(kind):
+    """Given the weights, the cache makes both copies at each step of TorchTitan's optimizers (the
+    one-GPU recipe: while the host logs the step): once a step although the container's and its
+    AdamW's step hooks both run, and although the fused AdamW leaves the versions as they were
+    (a118067 keyed the copies on versions and never made them again: run 60). The next forward
+    and backward make nothing, and every output, rows' gradient and weight gradient equals the
+    uncached run's bit for bit, so the copies are of the weights the optimizer just wrote.
+    Optimizers in backward step each parameter alone: the copies are made after each of the
+    layer's three, and once more at the container's step, not after every other parameter's."""
     case = make_case(5)
     runs = {}
     for ahead in (False, True):
-        w = [t.clone().float().requires_grad_(True) for t in (case.w1, case.w2, case.w3)]
-        opt = _Container(w, fused)  # two optimizer steps a step, as TorchTitan's: the copies made once
+        model = _Experts(case)
+        bystander = torch.nn.Linear(4, 4)  # another parameter the optimizers step
+        opt = _titan_optimizers(kind, torch.nn.ModuleList([model, bystander]))
+        w = [model.w1, model.w2, model.w3]
         cache = fp8_experts.WeightCache(lambda: tuple(w)) if ahead else None
         out, made = [], []
         for step in range(3):
             out.append(_microbatch(case, w, cache))
-            out.append({f"grad_w{i}": t.grad.clone() for i, t in enumerate(w)})
-            made.append(dict(cache.made) if cache else None)
+            bystander(torch.ones(4)).sum().backward()
+            if kind != "in_backward":
+                out.append({f"grad_w{i}": t.grad.clone() for i, t in enumerate(w)})
+            made.append(cache.made["forward"] if cache else None)
             opt.step()
             opt.zero_grad()
+        out.append({f"w{i}": t.detach().clone() for i, t in enumerate(w)})
         runs[ahead] = (out, made)
     for got, want in zip(runs[True][0], runs[False][0]):
         for k in want:
             assert torch.equal(got[k], want[k]), k
-    # the first step's forward and backward make them; then each optimizer step does, none between
-    assert runs[True][1] == [{"forward": 1, "transposed": 2}, {"forward": 2, "transposed": 4},
-                             {"forward": 3, "transposed": 6}]
+    if kind == "in_backward":  # the forward's, then 3 + 1 a step
+        assert runs[True][1] == [4, 8, 12]
+    else:  # the first step's forward makes them; then each optimizer step does, none between
+        assert runs[True][1] == [1, 2, 3]
 
 
 class _Raising(torch.optim.Optimizer):
