@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     h_t = dh13_q[:, :I].t().contiguous()  # [I, R]: any e4m3 operand of the shape
     ones = torch.ones
     dw = torch.randn(L, D, I, device=dev).to(torch.bfloat16)
+    dw_out = torch.empty_like(dw, dtype=torch.float32)
 
     gemms = {
         "dgrad_x": lambda: fp8.scaled_grouped_mm(dh13_q, w13t.transpose(-2, -1), ones(R, device=dev),
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "wgrad_w2": lambda: fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], ones(L * I, device=dev), offsets),
     }
     kernels = {
-        "widen": lambda: fp8.widen(dw),
+        "widen": lambda: fp8.widen(dw, dw_out),
         "group_columns_dy": lambda: fp8.group_columns(dy, dy_amax, offsets),
         "transpose_rows_x": lambda: fp8.transpose_rows(x_q, offsets),
     }

@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     _, _, dy_amax = fp8.quantise_grad_rows(dy, offsets, cs_d)
     _, _, dh13, h, h_dh13_amax = fp8.gate_backward(h13, dh, offsets, cs_2i, row_scale)
     dw = torch.randn(L, I, D, device=dev).to(torch.bfloat16)
+    dw_out = torch.empty_like(dw, dtype=torch.float32)
 
     f32, b16, b8 = 4, 2, 1
     kernels = {  # name: (call, bytes read + written)
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "group_columns_h": (lambda: fp8.group_columns(h, h_dh13_amax[:, :I], offsets), R * I * (b16 + b8)),
         "group_columns_dh13": (lambda: fp8.group_columns(dh13, h_dh13_amax[:, I:], offsets, 2), R * 2 * I * (b16 + b8)),
         "transpose_rows_x": (lambda: fp8.transpose_rows(x_q, offsets), 2 * R * D * b8),
-        "widen": (lambda: fp8.widen(dw), dw.numel() * (b16 + f32)),
+        "widen": (lambda: fp8.widen(dw, dw_out), dw.numel() * (b16 + f32)),
         "torch_float_cast": (lambda: dw.float(), dw.numel() * (b16 + f32)),
     }
     only = set(args.only) if args.only else set(kernels)

@@ -367,6 +367,68 @@ def _holds(optimizer: torch.optim.Optimizer, weights: tuple) -> bool:
     return any(id(p) in ids for group in optimizer.param_groups for p in group["params"])
 
 
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(like: torch.Tensor) -> torch.cuda.Stream | None:
+    """The stream beside the grouped GEMMs of the experts' backward on like's GPU (one per GPU);
+    None on CPU."""
+    if not like.is_cuda:
+        return None
+    if like.device.index not in _side_streams:
+        _side_streams[like.device.index] = torch.cuda.Stream(like.device)
+    return _side_streams[like.device.index]
+
+
+def _ready(side: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event after all the current stream has queued so far (what the work beside the next
+    GEMM reads), or None without a side stream."""
+    return None if side is None else torch.cuda.current_stream(side.device).record_event()
+
+
+@contextlib.contextmanager
+def _beside_gemms(side: torch.cuda.Stream | None, ready: torch.cuda.Event | None):
+    """Queue the block on `side` after `ready`, to run beside the grouped GEMM the current stream
+    queued after `ready`; in place where side is None.
+
+    Each torch._scaled_grouped_mm is one persistent grid of 2-SM clusters that holds 116 of an
+    H200's 132 SMs (run 60's profile), and the memory-bound kernels queued here wait for no GEMM
+    but their producer's. Memory: the block's outputs come from side's pool, and the current
+    stream reads them only after `_join`; side reuses that memory only in a later block, after a
+    later `ready`, which follows those reads. What the block reads, and the outputs the current
+    stream keeps (allocated on it before `ready`), the caller holds until after `_join`."""
+    if side is None:
+        yield
+        return
+    side.wait_event(ready)
+    with torch.cuda.stream(side):
+        yield
+
+
+def _join(side: torch.cuda.Stream | None) -> None:
+    """The current stream waits for all queued on `side`."""
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
+
+
+def _widened_gradients(gemms: tuple, shapes: tuple, device: torch.device,
+                       side: torch.cuda.Stream | None) -> list[torch.Tensor]:
+    """The weight gradients of fp32 parameters: each GEMM's bf16 output widened to fp32 beside the
+    next GEMM, the last after it (1.08 ms a gradient at the one-GPU recipe's layer, run 44). The
+    fp32 gradients are allocated first, on the current stream; the bf16 ones are held until the
+    current stream has waited for their widening."""
+    out = [torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes]
+    bf16 = [gemms[0]()]
+    for i in range(1, len(gemms)):
+        ready = _ready(side)  # GEMM i - 1 written
+        bf16.append(gemms[i]())
+        with _beside_gemms(side, ready):
+            fp8.widen(bf16[i - 1], out[i - 1])
+    fp8.widen(bf16[-1], out[-1])
+    _join(side)
+    return out
+
+
 def _mark(marks: list | None, name: str) -> None:
     """The benchmark's per-step timing (None in training: nothing recorded)."""
     if marks is None:
@@ -423,17 +485,26 @@ class _Fp8Experts(torch.autograd.Function):
             return torch.ones(experts, channels, dtype=torch.float32, device=w2_q.device)
 
         dy = grad_y.to(torch.bfloat16).contiguous()
+        # The wgrad operands' transposes and the weight gradients' widening run beside the grouped
+        # GEMMs (`_beside_gemms`) on `side`, which is None on CPU: there they run in place.
+        side = _side_stream(dy)
         with torch.autocast(dy.device.type, enabled=False):  # as in forward
             _mark(marks, "start")
             dy_q, dy_scale, dy_amax = fp8.quantise_grad_rows(dy, offsets, w2_scale)  # dy diag(W2's row scales)
+            ready = _ready(side)  # dy, its columns' amax and x's codes
             _mark(marks, "quantise_dy")
             w2t_q = transposed("w2", w2_q)  # [L, I, D]
             _mark(marks, "weights_t_2")
             dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, ones(*w2t_q.shape[:2]), offsets)
             del dy_q, dy_scale, w2t_q
+            if ctx.wgrad_fp8:
+                with _beside_gemms(side, ready):
+                    dy_t, dy_t_scale = fp8.group_columns(dy, dy_amax, offsets)  # [D, R']
+                    x_t = fp8.transpose_rows(x_q, offsets)  # [D, R'], x's codes: its row scales are in dh13
             _mark(marks, "dgrad_h")
             # dh13 for dgrad times W13's row scales; for wgrad (bf16) times x's row scales
             dh13_q, dh13_scale, dh13, h, h_dh13_amax = fp8.gate_backward(h13, dh, offsets, w13_scale, x_scale)
+            ready = _ready(side)  # h, dh13 and their columns' amax
             del dh
             _mark(marks, "gate_backward")
             w13t_q = transposed("w13", w13_q)  # [L, D, 2I]
@@ -441,27 +512,31 @@ class _Fp8Experts(torch.autograd.Function):
             dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, ones(*w13t_q.shape[:2]),
                                        offsets)
             del dh13_q, dh13_scale, w13t_q
+            if ctx.wgrad_fp8:
+                with _beside_gemms(side, ready):
+                    h_t, h_t_scale = fp8.group_columns(h, h_dh13_amax[:, :inter], offsets)  # [I, R']
+                    dh13_t, dh13_t_scale = fp8.group_columns(dh13, h_dh13_amax[:, inter:], offsets, 2)  # [2I, R']
             _mark(marks, "dgrad_x")
             if ctx.wgrad_fp8:
-                dy_t, dy_t_scale = fp8.group_columns(dy, dy_amax, offsets)  # [D, R']
-                h_t, h_t_scale = fp8.group_columns(h, h_dh13_amax[:, :inter], offsets)  # [I, R']
-                dh13_t, dh13_t_scale = fp8.group_columns(dh13, h_dh13_amax[:, inter:], offsets, 2)  # [2I, R']
-                x_t = fp8.transpose_rows(x_q, offsets)  # [D, R'], x's codes: its row scales are in dh13
+                _join(side)
                 x_t_scale = ones(len(offsets), x_t.shape[0]).view(-1)
                 _mark(marks, "wgrad_operands")
-                dw2 = fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets)
-                dw1 = fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale, offsets)
-                dw3 = fp8.scaled_grouped_mm(dh13_t[inter:], x_t.t(), dh13_t_scale[1], x_t_scale, offsets)
+                gemms = (lambda: fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets),
+                         lambda: fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale, offsets),
+                         lambda: fp8.scaled_grouped_mm(dh13_t[inter:], x_t.t(), dh13_t_scale[1], x_t_scale, offsets))
             else:
                 x = x_q.to(torch.bfloat16)  # the codes, exactly: x's row scales are in dh13
                 _mark(marks, "wgrad_operands")
-                dw2 = fp8.grouped_mm(dy.t(), h, offsets)
-                dw1 = fp8.grouped_mm(dh13[:, :inter].t(), x, offsets)
-                dw3 = fp8.grouped_mm(dh13[:, inter:].t(), x, offsets)
-            _mark(marks, "wgrad_gemm")
+                gemms = (lambda: fp8.grouped_mm(dy.t(), h, offsets),
+                         lambda: fp8.grouped_mm(dh13[:, :inter].t(), x, offsets),
+                         lambda: fp8.grouped_mm(dh13[:, inter:].t(), x, offsets))
             if ctx.weight_dtype == torch.float32:  # fp32 parameters (world 1): widened here, not by autograd
-                dw1, dw2, dw3 = fp8.widen(dw1), fp8.widen(dw2), fp8.widen(dw3)
-                _mark(marks, "wgrad_fp32")
+                experts, dim = w2_q.shape[:2]
+                dw2, dw1, dw3 = _widened_gradients(gemms, ((experts, dim, inter), (experts, inter, dim),
+                                                           (experts, inter, dim)), w2_q.device, side)
+            else:
+                dw2, dw1, dw3 = (gemm() for gemm in gemms)
+            _mark(marks, "wgrad_gemm")
         return dx, dw1, dw2, dw3, None, None, None, None, None, None
 
 

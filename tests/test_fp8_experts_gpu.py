@@ -142,11 +142,13 @@ def test_weight_gradients_widen_bit_for_bit():
     every bf16 value: finite, subnormal, infinite, NaN, at a gradient's shape and a small one."""
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(DEVICE)
     for x in (every, bf16(3, 40, 72, seed=11), bf16(32, 64, 7168, seed=12)):
-        got = fp8.widen(x)
+        got = fp8.widen(x, torch.full(x.shape, float("nan"), device=DEVICE))
         assert got.dtype == torch.float32 and got.shape == x.shape
         assert torch.equal(got.view(torch.int32), x.float().view(torch.int32))
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        fp8.widen(bf16(3, 5))
+        fp8.widen(bf16(3, 5), torch.empty(3, 5, device=DEVICE))
+    with pytest.raises(RuntimeError, match="out must be"):
+        fp8.widen(bf16(3, 8), torch.empty(3, 8, device=DEVICE, dtype=torch.bfloat16))
 
 
 def test_group_columns_bit_for_bit():
@@ -379,6 +381,51 @@ def test_the_weight_cache_makes_whole_weights_ahead_on_its_own_stream(monkeypatc
         runs[ahead] = (out, cache.made if cache else None)
     assert runs[True][1] == {"forward": 4, "transposed": 8}  # the first step's, then one making per step
     for i, (got, want) in enumerate(zip(runs[True][0], runs[False][0])):
+        assert torch.equal(got, want), i
+
+
+def test_the_backward_waits_for_the_work_beside_its_gemms(monkeypatch):
+    """The wgrad operands' transposes and the fp32 weight gradients' widening run on a stream
+    beside the grouped GEMMs. With each of them delayed by 20 ms of sleep on that stream, the
+    output and the weight gradients (read on the main stream right after the backward) equal
+    those of the same backward with everything on the main stream, bit for bit: the wgrad GEMMs
+    and the gradients' readers waited. The delayed run goes first, on memory filled with NaN, so
+    that a read too early cannot find the right values left there."""
+    x, dy, w, counts_L, _ = flagship_case(COUNTS["skewed"])
+    q, scale = ref.quantise_rows(x, ref.MIN_AMAX_ROWS)
+    used = int(counts_L.sum())
+    cycles = int(torch.cuda.get_device_properties(DEVICE).clock_rate * 20)  # kHz x 20 ms
+    main = torch.cuda.current_stream()
+    delayed = []
+
+    def slow(kernel):
+        def call(*args):
+            if torch.cuda.current_stream() != main:
+                torch.cuda._sleep(cycles)
+                delayed.append(kernel.__name__)
+            return kernel(*args)
+        return call
+
+    def run():
+        leaves = [t.clone().float().requires_grad_(True) for t in w]
+        carrier = torch.zeros((), dtype=torch.bfloat16, device=DEVICE, requires_grad=True).expand(x.shape)
+        y = fp8_experts.grouped_experts(*leaves, carrier, Fp8Rows(q, scale), counts_L)
+        y.backward(dy)
+        return [y.detach()[:used].clone()] + [t.grad.clone() for t in leaves]
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    junk = torch.full((torch.cuda.mem_get_info()[0] // 8,), float("nan"), device=DEVICE)
+    del junk
+    for name in ("group_columns", "transpose_rows", "widen"):
+        monkeypatch.setattr(fp8, name, slow(getattr(fp8, name)))
+    beside = run()
+    monkeypatch.undo()
+    assert sorted(set(delayed)) == ["group_columns", "transpose_rows", "widen"] and len(delayed) == 6, delayed
+    monkeypatch.setattr(fp8_experts, "_side_stream", lambda like: None)
+    in_line = run()
+    torch.cuda.synchronize()
+    for i, (got, want) in enumerate(zip(beside, in_line)):
         assert torch.equal(got, want), i
 
 

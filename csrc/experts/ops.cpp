@@ -186,16 +186,19 @@ at::Tensor transpose_rows_op(const at::Tensor& x, const at::Tensor& offsets) {
   return q;
 }
 
-// x: a contiguous bf16 weight gradient -> the same values in float32.
-at::Tensor widen_op(const at::Tensor& x) {
+// x: a contiguous bf16 weight gradient -> the same values in out (float32, as many values). The
+// caller allocates out: the experts' backward widens beside its next GEMM, on a stream of its own,
+// into memory of the main stream's (moe_comm/fp8_experts.py).
+void widen_op(const at::Tensor& x, const at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(x.device());
   check_experts(x.is_cuda() && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.numel() % 8 == 0 &&
             reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
         "x must be a contiguous, 16-byte aligned CUDA bfloat16 tensor of a multiple of 8 values");
-  at::Tensor out = at::empty(x.sizes(), f32(x));
+  check_experts(out.device() == x.device() && out.is_contiguous() && out.scalar_type() == at::kFloat &&
+            out.numel() == x.numel() && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+        "out must be a contiguous, 16-byte aligned float32 tensor on x's device with x's number of values");
   WidenArgs a{x.data_ptr(), out.data_ptr<float>(), x.numel()};
   launch_widen(a, c10::cuda::getCurrentCUDAStream());
-  return out;
 }
 
 }  // namespace

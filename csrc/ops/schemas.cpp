@@ -38,5 +38,5 @@ TORCH_LIBRARY(moe_comm, m) {
   m.def("fp8_weights_transposed(Tensor q) -> Tensor");
   m.def("fp8_group_columns(Tensor x, Tensor col_amax, Tensor offsets, int halves) -> (Tensor q, Tensor scale)");
   m.def("fp8_transpose_rows(Tensor x, Tensor offsets) -> Tensor");
-  m.def("fp8_widen(Tensor x) -> Tensor");
+  m.def("fp8_widen(Tensor x, Tensor(a!) out) -> ()");
 }

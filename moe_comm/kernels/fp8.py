@@ -71,12 +71,15 @@ def transpose_rows(x_RC: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
     return ref.transpose_rows(x_RC, offsets_L)
 
 
-def widen(x: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight gradient in float32, the dtype of the parameters at world 1 (csrc/experts/
-    widen.cu says why this is not autograd's own cast)."""
+def widen(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight gradient into `out`, float32 of x's shape (the dtype of the parameters at
+    world 1; csrc/experts/widen.cu says why this is not autograd's own cast). The caller allocates
+    out, on the stream that will read it."""
     if x.is_cuda:
-        return torch.ops.moe_comm.fp8_widen(x.contiguous())
-    return x.float()
+        torch.ops.moe_comm.fp8_widen(x.contiguous(), out)
+    else:
+        out.copy_(x)
+    return out
 
 
 def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -130,8 +133,8 @@ def register_fakes() -> None:
                 f32(x, halves, offsets.shape[0] * (channels // halves)))
 
     @torch.library.register_fake("moe_comm::fp8_widen")
-    def _widen(x):
-        return torch.empty_like(x, dtype=torch.float32)
+    def _widen(x, out):
+        return None
 
     @torch.library.register_fake("moe_comm::fp8_transpose_rows")
     def _transpose_rows(x, offsets):
