@@ -10,13 +10,16 @@ GEMM but their own producer. This probe times, at one layer of the one-GPU recip
 fp8_row_kernels.py), each GEMM alone, each memory-bound kernel alone, and the two launched
 together on two streams (the GEMM first, as the experts' backward would queue them): if the pair
 takes about the GEMM's time, the kernel hides there. It also records the GEMM's grid from a
-profiler trace.
+profiler trace, and times the FP8 experts' forward + backward at that layer (fp32 weights, as at
+world 1) with the work beside the GEMMs on its stream (fp8_experts._beside_gemms) and with all of
+it on one stream, alternating call by call.
 
 Medians of --iters pairs of CUDA events (after one warm-up), one GPU, nothing else running.
 """
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +33,7 @@ sys.path.insert(0, str(REPO / "experiments"))
 from fp8_row_kernels import counts_of, rows_tensor, timed  # noqa: E402
 
 from moe_comm import fp8_experts  # noqa: E402
+from moe_comm.fp8_experts import Fp8Rows  # noqa: E402
 from moe_comm.kernels import fp8  # noqa: E402
 
 
@@ -64,6 +68,27 @@ def gemm_grid(fn) -> list:
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
     return [e["args"].get("grid") for e in events if e.get("cat") == "kernel" and "cutlass" in e["name"]]
+
+
+def experts_step(rows: Fp8Rows, counts_L: torch.Tensor, dy: torch.Tensor, weights: list[torch.Tensor],
+                 one_stream: bool) -> float:
+    """ms of one forward + backward of the FP8 experts (CUDA events), the backward's side work on
+    its own stream or (one_stream) on the current one."""
+    side_stream = fp8_experts._side_stream
+    if one_stream:
+        fp8_experts._side_stream = lambda like: None
+    try:
+        for w in weights:
+            w.grad = None
+        carrier = torch.zeros((), dtype=torch.bfloat16, device=dy.device, requires_grad=True).expand(dy.shape)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fp8_experts.grouped_experts(*weights, carrier, rows, counts_L).backward(dy)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    finally:
+        fp8_experts._side_stream = side_stream
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,10 +149,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:40s} {r['ms']:7.3f} ms together (sum alone {r['sum_alone']:.3f}, GEMM {r['gemm_alone']:.3f}): "
               f"{100 * r['hidden_fraction']:.0f}% of the kernel hidden", flush=True)
     grids = {g: gemm_grid(fn) for g, fn in gemms.items()}
+    del dh13, dh13_q, w13, w13t, dy_t, h_t, dw, dw_out
+    x = rows_tensor(counts, padded, D, 1.0, dev)
+    x_q8, x_scale = fp8.quantise_grad_rows(x, offsets)[:2]
+    weights = [(torch.randn(*shape, device=dev) * 0.02).requires_grad_(True) for shape in ((L, I, D), (L, D, I), (L, I, D))]
+    counts_L = torch.tensor(padded, device=dev, dtype=torch.int32)
+    step = {"beside": [], "one_stream": []}
+    for i in range(args.iters + 2):
+        for mode in step:
+            ms = experts_step(Fp8Rows(x_q8, x_scale), counts_L, dy, weights, mode == "one_stream")
+            if i >= 2:  # two warm-up calls of each
+                step[mode].append(ms)
+    experts_ms = {mode: statistics.median(v) for mode, v in step.items()}
+    print(f"FP8 experts forward + backward: beside {experts_ms['beside']:.3f} ms, one stream "
+          f"{experts_ms['one_stream']:.3f} ms (medians of {args.iters}, alternating)")
     print("GEMM grids:", grids, "SMs:", torch.cuda.get_device_properties(dev).multi_processor_count)
     doc = {"shape": {"rows": args.rows, "padded_rows": R, "experts": L, "dim": D, "inter": I, "iters": args.iters},
            "device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(dev).multi_processor_count,
-           "torch": torch.__version__, "alone_ms": alone, "together": pairs, "gemm_grids": grids}
+           "torch": torch.__version__, "alone_ms": alone, "together": pairs, "gemm_grids": grids,
+           "experts_forward_backward_ms": experts_ms, "experts_forward_backward_samples": step}
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1))
     return 0
