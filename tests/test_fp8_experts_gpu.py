@@ -151,8 +151,10 @@ def test_weight_gradients_widen_bit_for_bit():
         fp8.widen(bf16(3, 8), torch.empty(3, 8, device=DEVICE, dtype=torch.bfloat16))
 
 
-def test_group_columns_bit_for_bit():
-    counts = [48, 0, 320, 1024, 16]
+@pytest.mark.parametrize("counts", [[48, 0, 320, 1024, 16], [2496, 0, 1040, 16, 3088]])
+def test_group_columns_bit_for_bit(counts):
+    """Experts of fewer rows than a block's chunk (1,024), of exactly one chunk, of several with a
+    part left over, and without rows (its scales are still written)."""
     total = sum(counts)
     offsets = offsets_of(counts)
     x = bf16(total + 40, 2 * INTER, scale=1e-4, seed=5)

@@ -8,7 +8,8 @@
 // - dgrad's weights: the forward's e4m3 codes [experts, rows, cols] to [experts, cols, rows],
 //   byte for byte (uniform_rows: every expert its own matrix).
 //
-// A block takes 64 channels of one expert's rows and transposes them 128 rows at a time through
+// A block takes 64 channels of a chunk of one expert's rows (at most kGroupChunkRows) and
+// transposes them 128 rows at a time through
 // shared memory: loads along the channels, 16-byte stores along the rows (the tile swizzled:
 // tile_offset). The next 128 rows' loads are issued before this tile's stores, so a thread's
 // loads are in flight while the block writes. Without that (one tile loaded, a barrier, stored,
@@ -31,6 +32,36 @@ constexpr int kTileStores = kGroupCols * kGroupRows / 16 / kTileThreads;
 // an SM); at 4, as many as the loop without the prefetch held.
 constexpr int kTileBlocksPerSm = 4;
 static_assert(kGroupRows == kTransposeRows && kColVecs == kTransposeVecs, "tile_offset's tile");
+// Rows one block transposes at most. A block once took all of its expert's rows: with skewed
+// counts the hot expert's blocks were left running alone at the kernel's end (run 60: the first
+// MoE layer of the backward took 0.92 ms for dy where the second took 0.61).
+constexpr int kGroupChunkRows = 8 * kGroupRows;
+
+// Chunks of rows the grid covers at most: each expert's rows in chunks of kGroupChunkRows, an
+// expert without rows one empty chunk (its block still writes its scales).
+static int64_t group_chunks_bound(const GroupColumnsArgs& a) {
+  if (a.uniform_rows > 0) return a.groups * ((a.uniform_rows + kGroupChunkRows - 1) / kGroupChunkRows);
+  return (a.row_stride + kGroupChunkRows - 1) / kGroupChunkRows + a.groups;
+}
+
+// Chunk `chunk` of the rows: its expert g, the expert's first row, the chunk's rows [start, end);
+// false past the last chunk.
+__device__ __forceinline__ bool group_chunk(const GroupColumnsArgs& a, int64_t chunk, int& g, int64_t& first,
+                                            int64_t& start, int64_t& end) {
+  int64_t next = 0;
+  for (g = 0; g < a.groups; ++g) {
+    first = next;
+    next = a.uniform_rows > 0 ? first + a.uniform_rows : a.offsets[g];
+    const int64_t chunks = max((int64_t)1, (next - first + kGroupChunkRows - 1) / kGroupChunkRows);
+    if (chunk < chunks) {
+      start = first + chunk * kGroupChunkRows;
+      end = min(next, start + kGroupChunkRows);
+      return true;
+    }
+    chunk -= chunks;
+  }
+  return false;
+}
 
 // 8 channels of one row as loaded: 16 bytes of bf16, or 8 bytes of e4m3 in .x and .y.
 __device__ __forceinline__ uint4 load_row8(const GroupColumnsArgs& a, int64_t r, int c) {
@@ -63,20 +94,17 @@ __device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, co
 __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_kernel(const GroupColumnsArgs a) {
   __shared__ __align__(16) uint8_t tile[kGroupCols * kGroupPitch];
   __shared__ float scales[kGroupCols];
-  const int g = blockIdx.y, c0 = blockIdx.x * kGroupCols;
-  int64_t start, end;
+  const int c0 = blockIdx.y * kGroupCols;
+  int g;
+  int64_t first, start, end;
+  if (!group_chunk(a, blockIdx.x, g, first, start, end)) return;
   uint8_t* q = a.q;
-  if (a.uniform_rows > 0) {  // this expert's own [channels, uniform_rows], its rows from 0
-    start = (int64_t)g * a.uniform_rows, end = start + a.uniform_rows;
-    q += g * a.channels * a.uniform_rows - start;
-  } else {
-    start = g == 0 ? 0 : a.offsets[g - 1], end = a.offsets[g];
-  }
+  if (a.uniform_rows > 0) q += g * a.channels * a.uniform_rows - first;  // this expert's own [channels, uniform_rows]
   if (!a.bytes && threadIdx.x < kGroupCols) {
     const int col = c0 + threadIdx.x;
     const float scale = col < a.channels ? fp8_scale(a.col_amax[g * a.amax_stride + col], kFp8MinAmaxSmall) : 1.f;
     scales[threadIdx.x] = scale;
-    if (col < a.channels) {
+    if (col < a.channels && start == first) {  // the expert's first chunk writes its scales
       const int per_half = a.channels / a.halves, h = col / per_half;
       a.scale[((int64_t)h * a.groups + g) * per_half + col % per_half] = scale;
     }
@@ -129,7 +157,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_
 
 void launch_group_columns(const GroupColumnsArgs& a, cudaStream_t stream) {
   if (a.groups == 0 || a.channels == 0) return;
-  const dim3 grid((a.channels + kGroupCols - 1) / kGroupCols, a.groups);
+  const dim3 grid((unsigned)group_chunks_bound(a), (a.channels + kGroupCols - 1) / kGroupCols);
   group_columns_kernel<<<grid, kTileThreads, 0, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_group_columns");
 }
