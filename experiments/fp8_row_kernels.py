@@ -1,7 +1,7 @@
 """The FP8 experts' own kernels alone, at one layer's shape: time, bytes and bandwidth of each.
 
     python experiments/fp8_row_kernels.py [--rows 65536] [--experts 32] [--dim 7168] [--inter 2048]
-        [--align 128] [--iters 20] [--only NAME ...] [--out OUT.json]
+        [--align 128] [--skew 0] [--iters 20] [--only NAME ...] [--out OUT.json]
 
 The default shape is one MoE layer of the one-GPU recipe (recipes/deepseek_v3_671b_h200x1.toml:
 8,192 tokens x top 8 over 32 local experts, hidden 7168, expert inter 2048). The rows of each
@@ -37,10 +37,12 @@ from moe_comm import fp8_experts  # noqa: E402
 from moe_comm.kernels import fp8  # noqa: E402
 
 
-def counts_of(rows: int, experts: int, align: int, seed: int) -> tuple[list[int], list[int]]:
-    """(rows per expert, the same padded to `align`): a multinomial draw with uneven weights."""
+def counts_of(rows: int, experts: int, align: int, seed: int, skew: float = 0.0) -> tuple[list[int], list[int]]:
+    """(rows per expert, the same padded to `align`): a multinomial draw with uneven weights,
+    expert e's weight also times (e + 1) ** -skew (skew 0: mildly uneven; 1: the first expert
+    about 8x the mean of 32)."""
     g = torch.Generator().manual_seed(seed)
-    weights = torch.rand(experts, generator=g) + 0.5
+    weights = (torch.rand(experts, generator=g) + 0.5) * torch.arange(1, experts + 1, dtype=torch.float) ** -skew
     drawn = torch.multinomial(weights, rows, replacement=True, generator=g)
     counts = torch.bincount(drawn, minlength=experts).tolist()
     return counts, [-(-c // align) * align for c in counts]
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the padding rows: zeros as dispatch writes them, or random (module doc)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=0.0, help="routing skew (counts_of): 0 mildly uneven, 1 a hot expert")
     p.add_argument("--only", nargs="*", default=None, help="kernel names to run (default: all)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     load_library()
     dev = torch.device("cuda")
     L, D, I = args.experts, args.dim, args.inter
-    counts, padded = counts_of(args.rows, L, args.align, args.seed)
+    counts, padded = counts_of(args.rows, L, args.align, args.seed, args.skew)
     R = sum(padded)
     offsets = torch.tensor(padded, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     dy = rows_tensor(counts, padded, D, 1e-3, dev, args.pad)
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"ms": ms, "bytes": nbytes, "GB_per_s": nbytes / ms / 1e6}
         print(f"{name:24s} {ms:8.3f} ms  {nbytes / 1e9:7.3f} GB  {nbytes / ms / 1e6:8.0f} GB/s", flush=True)
     doc = {"shape": {"rows": args.rows, "padded_rows": R, "experts": L, "dim": D, "inter": I, "align": args.align, "pad": args.pad,
-                     "rows_per_expert": counts, "iters": args.iters, "seed": args.seed},
+                     "rows_per_expert": counts, "iters": args.iters, "seed": args.seed, "skew": args.skew},
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "float32_wgrad_probe": float32_wgrad_probe(dev), "kernels": results}
     print("float32 out for the weight gradients' GEMM:", doc["float32_wgrad_probe"])
