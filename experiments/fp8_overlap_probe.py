@@ -71,24 +71,18 @@ def gemm_grid(fn) -> list:
 
 
 def experts_step(rows: Fp8Rows, counts_L: torch.Tensor, dy: torch.Tensor, weights: list[torch.Tensor],
-                 one_stream: bool) -> float:
-    """ms of one forward + backward of the FP8 experts (CUDA events), the backward's side work on
-    its own stream or (one_stream) on the current one."""
-    side_stream = fp8_experts._side_stream
-    if one_stream:
-        fp8_experts._side_stream = lambda like: None
-    try:
-        for w in weights:
-            w.grad = None
-        carrier = torch.zeros((), dtype=torch.bfloat16, device=dy.device, requires_grad=True).expand(dy.shape)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fp8_experts.grouped_experts(*weights, carrier, rows, counts_L).backward(dy)
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-    finally:
-        fp8_experts._side_stream = side_stream
+                 beside_gemms: bool) -> float:
+    """ms of one forward + backward of the FP8 experts (CUDA events), the backward's transposes
+    and widening beside the GEMMs or on the current stream."""
+    for w in weights:
+        w.grad = None
+    carrier = torch.zeros((), dtype=torch.bfloat16, device=dy.device, requires_grad=True).expand(dy.shape)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fp8_experts.grouped_experts(*weights, carrier, rows, counts_L, beside_gemms=beside_gemms).backward(dy)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     step = {"beside": [], "one_stream": []}
     for i in range(args.iters + 2):
         for mode in step:
-            ms = experts_step(Fp8Rows(x_q8, x_scale), counts_L, dy, weights, mode == "one_stream")
+            ms = experts_step(Fp8Rows(x_q8, x_scale), counts_L, dy, weights, mode == "beside")
             if i >= 2:  # two warm-up calls of each
                 step[mode].append(ms)
     experts_ms = {mode: statistics.median(v) for mode, v in step.items()}

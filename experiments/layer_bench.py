@@ -868,7 +868,9 @@ def _moe_comm_fp8_experts(a, case: Case, rows: dict, device, wgrad_fp8: bool, cl
 
     def run(anchor, marks=None):
         carrier = _RowsGrad.apply(anchor, q.shape[0], q.shape[1])
-        return fp8_experts.grouped_experts(e.w1, e.w2, e.w3, carrier, fp8_rows, counts, wgrad_fp8, marks, cache)
+        # the breakdown (marks) times each step alone: nothing of the backward beside its GEMMs
+        return fp8_experts.grouped_experts(e.w1, e.w2, e.w3, carrier, fp8_rows, counts, wgrad_fp8, marks, cache,
+                                           beside_gemms=marks is None)
 
     def new_step():
         for w in (e.w1, e.w2, e.w3):
@@ -891,7 +893,9 @@ def _moe_comm_fp8_experts(a, case: Case, rows: dict, device, wgrad_fp8: bool, cl
         kinds = {kind: sum(step_ms.get(s, 0.0) for s in names) for kind, names in FP8_STEP_KINDS.items()}
         out = {"steps_ms": step_ms, "kinds_ms": kinds,
                "note": "CUDA events between the steps of one forward and backward (moe_comm.fp8_experts), median "
-                       f"of {iters} after one warm-up; a step's time includes its launch gap"}
+                       f"of {iters} after one warm-up; a step's time includes its launch gap; every step on one "
+                       "stream (beside_gemms off), so each is timed alone; the part's own time runs the backward's "
+                       "transposes and widening beside its GEMMs"}
         if cache is not None:  # the breakdown's calls reuse the last step's copies: what a hit costs
             out["note"] += "; weights unchanged between these calls, so every one of them reuses the cached copies"
             out["weight_cache_made"] = dict(cache.made)  # quantisations over the whole part, timing included

@@ -448,7 +448,7 @@ class _Fp8Experts(torch.autograd.Function):
     dispatch_fp8_rows says why); x_q/x_scale are the rows."""
 
     @staticmethod
-    def forward(ctx, rows_grad_RD, w1, w2, w3, x_q, x_scale, offsets, wgrad_fp8, cache, marks):
+    def forward(ctx, rows_grad_RD, w1, w2, w3, x_q, x_scale, offsets, wgrad_fp8, cache, marks, beside_gemms):
         # dtypes are this function's own: autocast (TorchTitan's at world 1) must not recast them
         with torch.autocast(x_q.device.type, enabled=False):
             _mark(marks, "start")
@@ -466,6 +466,7 @@ class _Fp8Experts(torch.autograd.Function):
             _mark(marks, "gemm_2")
         ctx.save_for_backward(x_q, x_scale, offsets, h13, w13_q, w13_scale, w2_q, w2_scale)
         ctx.wgrad_fp8, ctx.cache, ctx.marks, ctx.inter = wgrad_fp8, cache, marks, w1.shape[1]
+        ctx.beside_gemms = beside_gemms
         ctx.weight_dtype = w1.dtype
         return y
 
@@ -487,7 +488,7 @@ class _Fp8Experts(torch.autograd.Function):
         dy = grad_y.to(torch.bfloat16).contiguous()
         # The wgrad operands' transposes and the weight gradients' widening run beside the grouped
         # GEMMs (`_beside_gemms`) on `side`, which is None on CPU: there they run in place.
-        side = _side_stream(dy)
+        side = _side_stream(dy) if ctx.beside_gemms else None
         with torch.autocast(dy.device.type, enabled=False):  # as in forward
             _mark(marks, "start")
             dy_q, dy_scale, dy_amax = fp8.quantise_grad_rows(dy, offsets, w2_scale)  # dy diag(W2's row scales)
@@ -537,18 +538,21 @@ class _Fp8Experts(torch.autograd.Function):
             else:
                 dw2, dw1, dw3 = (gemm() for gemm in gemms)
             _mark(marks, "wgrad_gemm")
-        return dx, dw1, dw2, dw3, None, None, None, None, None, None
+        return dx, dw1, dw2, dw3, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # custom kernels and FP8 GEMMs, eager as TorchTitan's experts run under EP
 def grouped_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, rows_grad_RD: torch.Tensor,
                     rows: Fp8Rows, tokens_per_expert_L: torch.Tensor, wgrad_fp8: bool = True,
-                    marks: list | None = None, cache: WeightCache | None = None) -> torch.Tensor:
+                    marks: list | None = None, cache: WeightCache | None = None,
+                    beside_gemms: bool = True) -> torch.Tensor:
     """y [R, D] bf16 of the local experts (w1, w3 [L, I, D], w2 [L, D, I], fp32 or bf16, local
     tensors) on the FP8 rows; the rows' gradient returns through rows_grad_RD. `marks`: a list
     that collects (step, CUDA event) at each step's end, for the benchmark's breakdown; `cache`:
-    the layer's WeightCache where its weights are quantised once per step."""
+    the layer's WeightCache where its weights are quantised once per step; `beside_gemms` False:
+    the backward's transposes and widening on the current stream, not beside the GEMMs (the layer
+    benchmark's per-step breakdown times each step alone so; a comparison)."""
     check_shapes(w1.shape[2], w1.shape[1])
     offsets = torch.cumsum(tokens_per_expert_L, dim=0, dtype=torch.int32)
     return _Fp8Experts.apply(rows_grad_RD, w1.contiguous(), w2.contiguous(), w3.contiguous(), rows.data_RD,
-                             rows.scale_R, offsets, wgrad_fp8, cache, marks)
+                             rows.scale_R, offsets, wgrad_fp8, cache, marks, beside_gemms)
