@@ -521,7 +521,7 @@ class _Fp8Experts(torch.autograd.Function):
             if ctx.wgrad_fp8:
                 _join(side)
                 x_t_scale = ones(len(offsets), x_t.shape[0]).view(-1)
-                _mark(marks, "wgrad_operands")  # (the marks time the main stream: here, its wait for them)
+                _mark(marks, "wgrad_operands")  # beside the GEMMs: what the main stream waits for of them
                 gemms = (lambda: fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets),
                          lambda: fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale, offsets),
                          lambda: fp8.scaled_grouped_mm(dh13_t[inter:], x_t.t(), dh13_t_scale[1], x_t_scale, offsets))
