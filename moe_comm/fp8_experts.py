@@ -487,8 +487,15 @@ class _Fp8Experts(torch.autograd.Function):
 
         dy = grad_y.to(torch.bfloat16).contiguous()
         # The wgrad operands' transposes and the weight gradients' widening run beside the grouped
-        # GEMMs (`_beside_gemms`) on `side`, which is None on CPU: there they run in place.
+        # GEMMs (`_beside_gemms`) on `side`; without it (CPU, or beside_gemms off) each in its place.
         side = _side_stream(dy) if ctx.beside_gemms else None
+
+        def dy_x_operands():  # [D, R'] each; x's codes as they are: its row scales are in dh13
+            return fp8.group_columns(dy, dy_amax, offsets), fp8.transpose_rows(x_q, offsets)
+
+        def h_dh13_operands():  # [I, R'], [2I, R']
+            return (fp8.group_columns(h, h_dh13_amax[:, :inter], offsets),
+                    fp8.group_columns(dh13, h_dh13_amax[:, inter:], offsets, 2))
         with torch.autocast(dy.device.type, enabled=False):  # as in forward
             _mark(marks, "start")
             dy_q, dy_scale, dy_amax = fp8.quantise_grad_rows(dy, offsets, w2_scale)  # dy diag(W2's row scales)
@@ -498,10 +505,9 @@ class _Fp8Experts(torch.autograd.Function):
             _mark(marks, "weights_t_2")
             dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, ones(*w2t_q.shape[:2]), offsets)
             del dy_q, dy_scale, w2t_q
-            if ctx.wgrad_fp8:
+            if ctx.wgrad_fp8 and side is not None:
                 with _beside_gemms(side, ready):
-                    dy_t, dy_t_scale = fp8.group_columns(dy, dy_amax, offsets)  # [D, R']
-                    x_t = fp8.transpose_rows(x_q, offsets)  # [D, R'], x's codes: its row scales are in dh13
+                    (dy_t, dy_t_scale), x_t = dy_x_operands()
             _mark(marks, "dgrad_h")
             # dh13 for dgrad times W13's row scales; for wgrad (bf16) times x's row scales
             dh13_q, dh13_scale, dh13, h, h_dh13_amax = fp8.gate_backward(h13, dh, offsets, w13_scale, x_scale)
@@ -513,12 +519,14 @@ class _Fp8Experts(torch.autograd.Function):
             dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, ones(*w13t_q.shape[:2]),
                                        offsets)
             del dh13_q, dh13_scale, w13t_q
-            if ctx.wgrad_fp8:
+            if ctx.wgrad_fp8 and side is not None:
                 with _beside_gemms(side, ready):
-                    h_t, h_t_scale = fp8.group_columns(h, h_dh13_amax[:, :inter], offsets)  # [I, R']
-                    dh13_t, dh13_t_scale = fp8.group_columns(dh13, h_dh13_amax[:, inter:], offsets, 2)  # [2I, R']
+                    (h_t, h_t_scale), (dh13_t, dh13_t_scale) = h_dh13_operands()
             _mark(marks, "dgrad_x")
             if ctx.wgrad_fp8:
+                if side is None:
+                    (dy_t, dy_t_scale), x_t = dy_x_operands()
+                    (h_t, h_t_scale), (dh13_t, dh13_t_scale) = h_dh13_operands()
                 _join(side)
                 x_t_scale = ones(len(offsets), x_t.shape[0]).view(-1)
                 _mark(marks, "wgrad_operands")  # beside the GEMMs: what the main stream waits for of them
