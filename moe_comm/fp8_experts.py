@@ -281,7 +281,8 @@ class WeightCache:
             self._pool = torch.cuda.MemPool()
         return torch.cuda.use_mem_pool(self._pool, w.device)
 
-    def _key_of(self, weights: tuple) -> tuple:
+    @staticmethod
+    def _key_of(weights: tuple) -> tuple:
         return (_optimizer_steps,) + tuple((id(w._base if w._base is not None else w), w.data_ptr(), w._version,
                                             tuple(w.shape), w.stride(), w.dtype) for w in weights)
 
