@@ -368,6 +368,8 @@ def _holds(optimizer: torch.optim.Optimizer, weights: tuple) -> bool:
     return any(id(p) in ids for group in optimizer.param_groups for p in group["params"])
 
 
+ALL = slice(None)  # every column of a weight gradient
+
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -412,20 +414,24 @@ def _join(side: torch.cuda.Stream | None) -> None:
         torch.cuda.current_stream(side.device).wait_stream(side)
 
 
-def _widened_gradients(gemms: tuple, shapes: tuple, device: torch.device,
+def _widened_gradients(parts: list, shapes: tuple, device: torch.device,
                        side: torch.cuda.Stream | None) -> list[torch.Tensor]:
-    """The weight gradients of fp32 parameters: each GEMM's bf16 output widened to fp32 beside the
-    next GEMM, the last after it (1.08 ms a gradient at the one-GPU recipe's layer, run 44). The
-    fp32 gradients are allocated first, on the current stream; the bf16 ones are held until the
+    """The weight gradients of fp32 parameters, of `shapes`, from `parts`: (GEMM, gradient,
+    columns) each, the GEMM's bf16 output being those columns (a slice of the last dimension) of
+    that gradient. Each part is widened to fp32 beside the next part's GEMM, the last after it
+    (1.08 ms a gradient at the one-GPU recipe's layer, run 44): the caller splits the last
+    gradient's GEMM in two, so that only half a gradient's widening runs alone. The fp32
+    gradients are allocated first, on the current stream; the bf16 parts are held until the
     current stream has waited for their widening."""
     out = [torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes]
-    bf16 = [gemms[0]()]
-    for i in range(1, len(gemms)):
-        ready = _ready(side)  # GEMM i - 1 written
-        bf16.append(gemms[i]())
+    into = [out[gradient][..., columns] for _, gradient, columns in parts]
+    bf16 = [parts[0][0]()]
+    for i in range(1, len(parts)):
+        ready = _ready(side)  # part i - 1 written
+        bf16.append(parts[i][0]())
         with _beside_gemms(side, ready):
-            fp8.widen(bf16[i - 1], out[i - 1])
-    fp8.widen(bf16[-1], out[-1])
+            fp8.widen(bf16[i - 1], into[i - 1])
+    fp8.widen(bf16[-1], into[-1])
     _join(side)
     return out
 
@@ -529,20 +535,30 @@ class _Fp8Experts(torch.autograd.Function):
                     (dy_t, dy_t_scale), x_t = dy_x_operands()
                     (h_t, h_t_scale), (dh13_t, dh13_t_scale) = h_dh13_operands()
                 _join(side)
-                x_t_scale = ones(len(offsets), x_t.shape[0]).view(-1)
                 _mark(marks, "wgrad_operands")  # beside the GEMMs: what the main stream waits for of them
+
+                def by_x(a_t, a_scale, columns=ALL):  # [L, rows of a_t, columns of D]: a_t against x
+                    b_t = x_t[columns]
+                    return fp8.scaled_grouped_mm(a_t, b_t.t(), a_scale, ones(len(offsets), b_t.shape[0]).view(-1),
+                                                 offsets)
                 gemms = (lambda: fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets),
-                         lambda: fp8.scaled_grouped_mm(dh13_t[:inter], x_t.t(), dh13_t_scale[0], x_t_scale, offsets),
-                         lambda: fp8.scaled_grouped_mm(dh13_t[inter:], x_t.t(), dh13_t_scale[1], x_t_scale, offsets))
+                         lambda: by_x(dh13_t[:inter], dh13_t_scale[0]),
+                         lambda: by_x(dh13_t[inter:], dh13_t_scale[1]))
+                # dW3 in two GEMMs of half its columns (x's rows of codes, each half contiguous)
+                half = x_t.shape[0] // 2 // 16 * 16
+                dw3_halves = [(lambda cols=cols: by_x(dh13_t[inter:], dh13_t_scale[1], cols), 2, cols)
+                              for cols in (slice(0, half), slice(half, None))]
             else:
                 x = x_q.to(torch.bfloat16)  # the codes, exactly: x's row scales are in dh13
                 _mark(marks, "wgrad_operands")
                 gemms = (lambda: fp8.grouped_mm(dy.t(), h, offsets),
                          lambda: fp8.grouped_mm(dh13[:, :inter].t(), x, offsets),
                          lambda: fp8.grouped_mm(dh13[:, inter:].t(), x, offsets))
+                dw3_halves = [(gemms[2], 2, ALL)]  # x's columns are not contiguous: one GEMM
             if ctx.weight_dtype == torch.float32:  # fp32 parameters (world 1): widened here, not by autograd
                 experts, dim = w2_q.shape[:2]
-                dw2, dw1, dw3 = _widened_gradients(gemms, ((experts, dim, inter), (experts, inter, dim),
+                parts = [(gemms[0], 0, ALL), (gemms[1], 1, ALL)] + dw3_halves
+                dw2, dw1, dw3 = _widened_gradients(parts, ((experts, dim, inter), (experts, inter, dim),
                                                            (experts, inter, dim)), w2_q.device, side)
             else:
                 dw2, dw1, dw3 = (gemm() for gemm in gemms)

@@ -8,14 +8,16 @@
 // - dgrad's weights: the forward's e4m3 codes [experts, rows, cols] to [experts, cols, rows],
 //   byte for byte (uniform_rows: every expert its own matrix).
 //
-// A block takes 64 channels of a chunk of one expert's rows (at most kGroupChunkRows) and
-// transposes them 128 rows at a time through
+// A block takes 64 channels of a chunk of one expert's rows (group_chunk_rows) and transposes
+// them 128 rows at a time through
 // shared memory: loads along the channels, 16-byte stores along the rows (the tile swizzled:
 // tile_offset). The next 128 rows' loads are issued before this tile's stores, so a thread's
 // loads are in flight while the block writes. Without that (one tile loaded, a barrier, stored,
 // a barrier) the weight gradients' operands ran at about 1.9 TB/s and dgrad's weights at 2.5
 // (run 36 and run 44).
 #include <cuda_bf16.h>
+
+#include <algorithm>
 
 #include "common/launch.h"
 #include "experts/rows.cuh"
@@ -32,16 +34,28 @@ constexpr int kTileStores = kGroupCols * kGroupRows / 16 / kTileThreads;
 // an SM); at 4, as many as the loop without the prefetch held.
 constexpr int kTileBlocksPerSm = 4;
 static_assert(kGroupRows == kTransposeRows && kColVecs == kTransposeVecs, "tile_offset's tile");
-// Rows one block transposes at most. A block once took all of its expert's rows: with skewed
-// counts the hot expert's blocks were left running alone at the kernel's end (run 60: the first
-// MoE layer of the backward took 0.92 ms for dy where the second took 0.61).
-constexpr int kGroupChunkRows = 8 * kGroupRows;
+// Rows one block transposes at least, where an expert has them: each block restarts the loads'
+// pipeline below, and chunks of 1,024 rows for every expert ran the balanced transposes 10-25%
+// slower than one block per expert (run 61).
+constexpr int kGroupChunkRowsMin = 8 * kGroupRows;
 
-// Chunks of rows the grid covers at most: each expert's rows in chunks of kGroupChunkRows, an
-// expert without rows one empty chunk (its block still writes its scales).
+// Rows one block transposes at most: the mean expert's rows (rounded up to whole tiles), so a
+// balanced expert keeps one block per 64 channels and a hot one is split into blocks of the mean's
+// size. A block once took all of its expert's rows: with skewed counts the hot expert's blocks were
+// left running alone at the kernel's end (run 60: the first MoE layer of the backward took 0.92
+// ms for dy where the second took 0.61; run 61, a hot expert of 8x the mean: h's columns 0.42 ->
+// 0.20 ms in chunks). Dgrad's weights (uniform_rows): one chunk per expert.
+static int64_t group_chunk_rows(const GroupColumnsArgs& a) {
+  if (a.uniform_rows > 0) return a.uniform_rows;
+  const int64_t mean = (a.row_stride + a.groups - 1) / a.groups;
+  return std::max<int64_t>(kGroupChunkRowsMin, (mean + kGroupRows - 1) / kGroupRows * kGroupRows);
+}
+
+// Chunks of rows the grid covers at most: each expert's rows in chunks of a.chunk_rows, an expert
+// without rows one empty chunk (its block still writes its scales).
 static int64_t group_chunks_bound(const GroupColumnsArgs& a) {
-  if (a.uniform_rows > 0) return a.groups * ((a.uniform_rows + kGroupChunkRows - 1) / kGroupChunkRows);
-  return (a.row_stride + kGroupChunkRows - 1) / kGroupChunkRows + a.groups;
+  if (a.uniform_rows > 0) return a.groups;
+  return (a.row_stride + a.chunk_rows - 1) / a.chunk_rows + a.groups;
 }
 
 // Chunk `chunk` of the rows: its expert g, the expert's first row, the chunk's rows [start, end);
@@ -52,10 +66,10 @@ __device__ __forceinline__ bool group_chunk(const GroupColumnsArgs& a, int64_t c
   for (g = 0; g < a.groups; ++g) {
     first = next;
     next = a.uniform_rows > 0 ? first + a.uniform_rows : a.offsets[g];
-    const int64_t chunks = max((int64_t)1, (next - first + kGroupChunkRows - 1) / kGroupChunkRows);
+    const int64_t chunks = max((int64_t)1, (next - first + a.chunk_rows - 1) / a.chunk_rows);
     if (chunk < chunks) {
-      start = first + chunk * kGroupChunkRows;
-      end = min(next, start + kGroupChunkRows);
+      start = first + chunk * a.chunk_rows;
+      end = min(next, start + a.chunk_rows);
       return true;
     }
     chunk -= chunks;
@@ -155,8 +169,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_
   }
 }
 
-void launch_group_columns(const GroupColumnsArgs& a, cudaStream_t stream) {
+void launch_group_columns(GroupColumnsArgs a, cudaStream_t stream) {
   if (a.groups == 0 || a.channels == 0) return;
+  a.chunk_rows = group_chunk_rows(a);
   const dim3 grid((unsigned)group_chunks_bound(a), (a.channels + kGroupCols - 1) / kGroupCols);
   group_columns_kernel<<<grid, kTileThreads, 0, stream>>>(a);
   MOE_COMM_CHECK_LAUNCH("fp8_group_columns");

@@ -54,6 +54,14 @@ NUM_SMS = int(os.environ.get("MOE_COMM_TEST_NUM_SMS", "8"))
 TIMEOUT_S = float(os.environ.get("MOE_COMM_TEST_WAIT_TIMEOUT", "20"))
 
 
+def ancestors(event) -> str:
+    """The names of a profiler event's enclosing CPU events, innermost first."""
+    names = []
+    while (event := event.cpu_parent) is not None:
+        names.append(event.name)
+    return " < ".join(names)
+
+
 class Cases:
     def __init__(self, virtual_node: int, factor: float):
         self.rank = dist.get_rank()
@@ -226,7 +234,9 @@ class Cases:
     def grad_fp8_experts(self, num_tokens, hidden, num_experts, top_k, seed, fp8_wire, mode="random"):
         """Autograd through FP8 rows: experts y = rows * a_e + b_e on the dequantised e4m3 rows,
         taking the gradient carrier; output, grad x and grad w against the reference on the
-        rows' rowwise round trip (the gradient passes the quantisation straight through)."""
+        rows' rowwise round trip (the gradient passes the quantisation straight through).
+        Dispatch's backward gets no zero-filled gradients for its non-differentiable outputs
+        (kernels/ops.py, HANDLE)."""
         g = torch.Generator().manual_seed(seed * 7 + self.rank)
         x0 = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16).to(self.device)
         idx, w0 = self.route(num_tokens, num_experts, top_k, mode, g)
@@ -241,8 +251,12 @@ class Cases:
                                   a[self.rank * L:(self.rank + 1) * L])  # bias below, on the carrier's side
         y = y + apply_experts(torch.zeros_like(y), res.tokens_per_expert_L, self.rank * L, torch.zeros_like(a), b)
         out = backend.combine(y, res.handle)
-        (out.float() * grad_out.float()).sum().backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            (out.float() * grad_out.float()).sum().backward()
         backend.check_errors(synchronize=True)
+        zero_fills = [e.name for e in prof.events() if e.name in ("aten::zero_", "aten::fill_")
+                      and "_DispatchFp8RowsBackward" in ancestors(e)]
+        assert not zero_fills, f"dispatch's backward made zeros for its non-differentiable outputs: {zero_fills}"
         codes, scales = fp8_rows(x0.cpu())
         x_rt = (codes.view(torch.float8_e4m3fn).float() * scales[:, None]).to(torch.bfloat16)
         xr = x_rt.float().requires_grad_(True)
