@@ -14,7 +14,7 @@ build_old=$!
 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_experts_gpu.py > $o/fp8_experts_gpu.log 2>&1
 rc=$?; stamp "fp8 experts gpu exit $rc"; grep -E "passed|failed|Error" $o/fp8_experts_gpu.log | tail -4
 if [ $rc -ne 0 ]; then pack; exit 1; fi
-MOE_COMM_GPU_LAYOUTS=1,2 MOE_COMM_GPU_TEST_CONCURRENCY=2 MOE_COMM_GPU_REPORTS=$o/reports timeout 150 \
+MOE_COMM_GPU_LAYOUTS=1,2 MOE_COMM_GPU_TEST_CONCURRENCY=2 MOE_COMM_GPU_REPORTS=$o/reports timeout 120 \
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_nvshmem_gpu.py > $o/nvshmem_gpu.log 2>&1
 rc=$?; stamp "nvshmem gpu (1,2) exit $rc"; grep -E "passed|failed|FAIL" $o/nvshmem_gpu.log | cut -c1-200 | tail -6
 if [ $rc -ne 0 ]; then pack; exit 1; fi
@@ -30,6 +30,7 @@ for skew in 0 1; do
     > $o/row_kernels_main_skew$skew.log 2>&1)
   stamp "main's row kernels skew $skew exit $?"; grep -E "group_columns|transpose" $o/row_kernels_main_skew$skew.log | cut -c1-80
 done
+pack
 fp8="--moe_comm.expert_dtype fp8 --moe_comm.dispatch_dtype fp8"
 TRAIN_TIMEOUT=110
 train nccl_bf16 --moe_comm.backend nccl
