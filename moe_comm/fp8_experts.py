@@ -368,8 +368,6 @@ def _holds(optimizer: torch.optim.Optimizer, weights: tuple) -> bool:
     return any(id(p) in ids for group in optimizer.param_groups for p in group["params"])
 
 
-ALL = slice(None)  # every column of a weight gradient
-
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -412,28 +410,6 @@ def _join(side: torch.cuda.Stream | None) -> None:
     """The current stream waits for all queued on `side`."""
     if side is not None:
         torch.cuda.current_stream(side.device).wait_stream(side)
-
-
-def _widened_gradients(parts: list, shapes: tuple, device: torch.device,
-                       side: torch.cuda.Stream | None) -> list[torch.Tensor]:
-    """The weight gradients of fp32 parameters, of `shapes`, from `parts`: (GEMM, gradient,
-    columns) each, the GEMM's bf16 output being those columns (a slice of the last dimension) of
-    that gradient. Each part is widened to fp32 beside the next part's GEMM, the last after it
-    (1.08 ms a gradient at the one-GPU recipe's layer, run 44): the caller splits the last
-    gradient's GEMM in two, so that only half a gradient's widening runs alone. The fp32
-    gradients are allocated first, on the current stream; the bf16 parts are held until the
-    current stream has waited for their widening."""
-    out = [torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes]
-    into = [out[gradient][..., columns] for _, gradient, columns in parts]
-    bf16 = [parts[0][0]()]
-    for i in range(1, len(parts)):
-        ready = _ready(side)  # part i - 1 written
-        bf16.append(parts[i][0]())
-        with _beside_gemms(side, ready):
-            fp8.widen(bf16[i - 1], into[i - 1])
-    fp8.widen(bf16[-1], into[-1])
-    _join(side)
-    return out
 
 
 def _mark(marks: list | None, name: str) -> None:
@@ -493,20 +469,20 @@ class _Fp8Experts(torch.autograd.Function):
             return torch.ones(experts, channels, dtype=torch.float32, device=w2_q.device)
 
         dy = grad_y.to(torch.bfloat16).contiguous()
-        # The wgrad operands' transposes and the weight gradients' widening run beside the grouped
-        # GEMMs (`_beside_gemms`) on `side`; without it (CPU, or beside_gemms off) each in its place.
+        # With a side stream (`_beside_gemms`), the order is the one that hides most of the memory-
+        # bound work (run 61's probe: beside a dgrad GEMM the transposes hid nothing, beside a
+        # wgrad GEMM 24-41%, the widening about half beside either): dy's transpose beside dgrad
+        # dh's GEMM (it hides nothing there but waits for nothing), h's on the main stream, x's and
+        # dh13's beside dW2's GEMM, each fp32 weight gradient's widening beside the next GEMM, and
+        # dgrad dx's GEMM last, beside the last widening. Without one (CPU, or beside_gemms off)
+        # the same work runs in place, each in its own step of the benchmark's breakdown.
         side = _side_stream(dy) if ctx.beside_gemms else None
-
-        def dy_x_operands():  # [D, R'] each; x's codes as they are: its row scales are in dh13
-            return fp8.group_columns(dy, dy_amax, offsets), fp8.transpose_rows(x_q, offsets)
-
-        def h_dh13_operands():  # [I, R'], [2I, R']
-            return (fp8.group_columns(h, h_dh13_amax[:, :inter], offsets),
-                    fp8.group_columns(dh13, h_dh13_amax[:, inter:], offsets, 2))
+        widen = ctx.weight_dtype == torch.float32  # fp32 parameters (world 1): widened here, not by autograd
+        experts, dim = w2_q.shape[:2]
         with torch.autocast(dy.device.type, enabled=False):  # as in forward
             _mark(marks, "start")
             dy_q, dy_scale, dy_amax = fp8.quantise_grad_rows(dy, offsets, w2_scale)  # dy diag(W2's row scales)
-            ready = _ready(side)  # dy, its columns' amax and x's codes
+            ready = _ready(side)  # dy and its columns' amax
             _mark(marks, "quantise_dy")
             w2t_q = transposed("w2", w2_q)  # [L, I, D]
             _mark(marks, "weights_t_2")
@@ -514,55 +490,62 @@ class _Fp8Experts(torch.autograd.Function):
             del dy_q, dy_scale, w2t_q
             if ctx.wgrad_fp8 and side is not None:
                 with _beside_gemms(side, ready):
-                    (dy_t, dy_t_scale), x_t = dy_x_operands()
+                    dy_t, dy_t_scale = fp8.group_columns(dy, dy_amax, offsets)  # [D, R']
             _mark(marks, "dgrad_h")
             # dh13 for dgrad times W13's row scales; for wgrad (bf16) times x's row scales
             dh13_q, dh13_scale, dh13, h, h_dh13_amax = fp8.gate_backward(h13, dh, offsets, w13_scale, x_scale)
             ready = _ready(side)  # h, dh13 and their columns' amax
             del dh
             _mark(marks, "gate_backward")
-            w13t_q = transposed("w13", w13_q)  # [L, D, 2I]
-            _mark(marks, "weights_t_13")
-            dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, ones(*w13t_q.shape[:2]),
-                                       offsets)
-            del dh13_q, dh13_scale, w13t_q
-            if ctx.wgrad_fp8 and side is not None:
-                with _beside_gemms(side, ready):
-                    (h_t, h_t_scale), (dh13_t, dh13_t_scale) = h_dh13_operands()
-            _mark(marks, "dgrad_x")
+
+            def x_dh13_operands():  # [D, R'] (x's codes as they are: its row scales are in dh13), [2I, R']
+                return fp8.transpose_rows(x_q, offsets), fp8.group_columns(dh13, h_dh13_amax[:, inter:], offsets, 2)
             if ctx.wgrad_fp8:
                 if side is None:
-                    (dy_t, dy_t_scale), x_t = dy_x_operands()
-                    (h_t, h_t_scale), (dh13_t, dh13_t_scale) = h_dh13_operands()
-                _join(side)
+                    dy_t, dy_t_scale = fp8.group_columns(dy, dy_amax, offsets)
+                    x_t, (dh13_t, dh13_t_scale) = x_dh13_operands()
+                h_t, h_t_scale = fp8.group_columns(h, h_dh13_amax[:, :inter], offsets)  # [I, R']: dW2's first
+                _join(side)  # dy's
                 _mark(marks, "wgrad_operands")  # beside the GEMMs: what the main stream waits for of them
 
-                def by_x(a_t, a_scale, columns=ALL):  # [L, rows of a_t, columns of D]: a_t against x
-                    b_t = x_t[columns]
-                    return fp8.scaled_grouped_mm(a_t, b_t.t(), a_scale, ones(len(offsets), b_t.shape[0]).view(-1),
-                                                 offsets)
+                def by_x(a_t, a_scale):  # [L, rows of a_t, D]: a_t against x's codes
+                    return fp8.scaled_grouped_mm(a_t, x_t.t(), a_scale, ones(len(offsets), dim).view(-1), offsets)
                 gemms = (lambda: fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets),
                          lambda: by_x(dh13_t[:inter], dh13_t_scale[0]),
                          lambda: by_x(dh13_t[inter:], dh13_t_scale[1]))
-                # dW3 in two GEMMs of half its columns (x's rows of codes, each half contiguous)
-                half = x_t.shape[0] // 2 // 16 * 16
-                dw3_halves = [(lambda cols=cols: by_x(dh13_t[inter:], dh13_t_scale[1], cols), 2, cols)
-                              for cols in (slice(0, half), slice(half, None))]
             else:
                 x = x_q.to(torch.bfloat16)  # the codes, exactly: x's row scales are in dh13
                 _mark(marks, "wgrad_operands")
                 gemms = (lambda: fp8.grouped_mm(dy.t(), h, offsets),
                          lambda: fp8.grouped_mm(dh13[:, :inter].t(), x, offsets),
                          lambda: fp8.grouped_mm(dh13[:, inter:].t(), x, offsets))
-                dw3_halves = [(gemms[2], 2, ALL)]  # x's columns are not contiguous: one GEMM
-            if ctx.weight_dtype == torch.float32:  # fp32 parameters (world 1): widened here, not by autograd
-                experts, dim = w2_q.shape[:2]
-                parts = [(gemms[0], 0, ALL), (gemms[1], 1, ALL)] + dw3_halves
-                dw2, dw1, dw3 = _widened_gradients(parts, ((experts, dim, inter), (experts, inter, dim),
-                                                           (experts, inter, dim)), w2_q.device, side)
-            else:
-                dw2, dw1, dw3 = (gemm() for gemm in gemms)
+            shapes = ((experts, dim, inter), (experts, inter, dim), (experts, inter, dim))
+            out = [torch.empty(shape, dtype=torch.float32, device=w2_q.device) for shape in shapes] if widen else []
+            grads = []  # the GEMMs' bf16 outputs, held until the main stream has waited for their widening
+            for i, gemm in enumerate(gemms):
+                grads.append(gemm())
+                if i == 0 and ctx.wgrad_fp8 and side is not None:
+                    with _beside_gemms(side, ready):  # ready: after gate_backward
+                        x_t, (dh13_t, dh13_t_scale) = x_dh13_operands()
+                    _join(side)  # for the GEMMs after this one
+                if widen and side is None:
+                    fp8.widen(grads[i], out[i])
+                elif widen and i > 0:
+                    with _beside_gemms(side, ready):  # ready: GEMM i - 1 written
+                        fp8.widen(grads[i - 1], out[i - 1])
+                ready = _ready(side)  # GEMM i written
             _mark(marks, "wgrad_gemm")
+            w13t_q = transposed("w13", w13_q)  # [L, D, 2I]
+            _mark(marks, "weights_t_13")
+            dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, ones(*w13t_q.shape[:2]),
+                                       offsets)
+            if widen and side is not None:
+                with _beside_gemms(side, ready):  # the last GEMM of the weight gradients written
+                    fp8.widen(grads[-1], out[-1])
+            _join(side)
+            del dh13_q, dh13_scale, w13t_q
+            _mark(marks, "dgrad_x")
+            dw2, dw1, dw3 = out if widen else grads
         return dx, dw1, dw2, dw3, None, None, None, None, None, None, None
 
 

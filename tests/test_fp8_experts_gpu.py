@@ -139,25 +139,16 @@ def test_rows_and_weights_quantise_bit_for_bit():
 
 def test_weight_gradients_widen_bit_for_bit():
     """fp8.widen (the weight gradients to fp32 parameters' dtype) is exactly torch's cast, for
-    every bf16 value: finite, subnormal, infinite, NaN, at a gradient's shape and a small one, and
-    into a slice of a wider tensor's last dimension without touching the rest."""
+    every bf16 value: finite, subnormal, infinite, NaN, at a gradient's shape and a small one."""
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(DEVICE)
     for x in (every, bf16(3, 40, 72, seed=11), bf16(32, 64, 7168, seed=12)):
         got = fp8.widen(x, torch.full(x.shape, float("nan"), device=DEVICE))
         assert got.dtype == torch.float32 and got.shape == x.shape
         assert torch.equal(got.view(torch.int32), x.float().view(torch.int32))
-    # into half the columns of a wider gradient (the experts' backward splits dW3's GEMM so)
-    x = bf16(3, 40, 72, seed=13)
-    wide = torch.full((3, 40, 144), float("nan"), device=DEVICE)
-    fp8.widen(x, wide[..., 72:])
-    assert torch.equal(wide[..., 72:].view(torch.int32), x.float().view(torch.int32))
-    assert wide[..., :72].isnan().all(), "widen wrote outside its columns"
     with pytest.raises(RuntimeError, match="multiple of 8"):
         fp8.widen(bf16(3, 5), torch.empty(3, 5, device=DEVICE))
     with pytest.raises(RuntimeError, match="out must be"):
         fp8.widen(bf16(3, 8), torch.empty(3, 8, device=DEVICE, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="or a slice of a contiguous tensor's last dimension"):
-        fp8.widen(bf16(8, 8), torch.empty(8, 8, device=DEVICE).t())
 
 
 @pytest.mark.parametrize("counts", [[48, 0, 320, 1024, 16], [2496, 0, 1040, 16, 3088]])
@@ -433,8 +424,8 @@ def test_the_backward_waits_for_the_work_beside_its_gemms(monkeypatch):
         monkeypatch.setattr(fp8, name, slow(getattr(fp8, name)))
     beside = run(True)
     monkeypatch.undo()
-    # the four transposes; dW2, dW1 and dW3's first half widened beside the next GEMM
-    assert sorted(set(delayed)) == ["group_columns", "transpose_rows", "widen"] and len(delayed) == 7, delayed
+    # dy's, x's and dh13's transposes (h's runs on the main stream); the three widenings
+    assert sorted(set(delayed)) == ["group_columns", "transpose_rows", "widen"] and len(delayed) == 6, delayed
     in_line = run(False)
     torch.cuda.synchronize()
     for i, (got, want) in enumerate(zip(beside, in_line)):

@@ -111,13 +111,11 @@ struct GroupColumnsArgs {
 };
 
 // The weight gradients (bf16, from the wgrad GEMMs) widened to fp32 parameters' dtype: n values,
-// a multiple of 4, both tensors 16-byte aligned; out holds them in rows of cols values (a multiple
-// of 4), out_row_stride (a multiple of 4) apart.
+// a multiple of 4, both tensors 16-byte aligned.
 struct WidenArgs {
   const void* x;  // bf16 [n]
-  float* out;     // [n / cols] rows of cols, out_row_stride apart
+  float* out;     // [n]
   int64_t n;
-  int64_t cols, out_row_stride;
 };
 constexpr int kWidenThreads = 256;
 

@@ -186,28 +186,18 @@ at::Tensor transpose_rows_op(const at::Tensor& x, const at::Tensor& offsets) {
   return q;
 }
 
-// x: a contiguous bf16 weight gradient -> the same values in out (float32, x's shape; contiguous
-// or a slice of one's last dimension). The caller allocates out: the experts' backward widens
-// beside its next GEMM, on a stream of its own, into memory of the main stream's
-// (moe_comm/fp8_experts.py).
+// x: a contiguous bf16 weight gradient -> the same values in out (float32, as many values). The
+// caller allocates out: the experts' backward widens beside its next GEMM, on a stream of its own,
+// into memory of the main stream's (moe_comm/fp8_experts.py).
 void widen_op(const at::Tensor& x, const at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(x.device());
   check_experts(x.is_cuda() && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.numel() % 8 == 0 &&
             reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
         "x must be a contiguous, 16-byte aligned CUDA bfloat16 tensor of a multiple of 8 values");
-  check_experts(out.device() == x.device() && out.sizes() == x.sizes() && out.scalar_type() == at::kFloat &&
-            reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
-        "out must be a 16-byte aligned float32 tensor of x's shape on x's device");
-  // out's rows (its last dimension) must lie out_row_stride apart, each contiguous: a contiguous
-  // tensor, or a slice of the last dimension of one.
-  const int64_t cols = x.dim() > 0 ? x.size(-1) : 1;
-  const int64_t row_stride = out.dim() > 1 ? out.stride(-2) : cols;
-  bool rows_ok = out.dim() == 0 || out.stride(-1) == 1;
-  for (int64_t d = 0; d + 2 < out.dim(); ++d) rows_ok = rows_ok && out.stride(d) == out.stride(d + 1) * out.size(d + 1);
-  check_experts(rows_ok && cols % 4 == 0 && row_stride % 4 == 0 && row_stride >= cols,
-        "out must be contiguous, or a slice of a contiguous tensor's last dimension of a multiple of 4 values "
-        "starting at a multiple of 4");
-  WidenArgs a{x.data_ptr(), out.data_ptr<float>(), x.numel(), cols, row_stride};
+  check_experts(out.device() == x.device() && out.is_contiguous() && out.scalar_type() == at::kFloat &&
+            out.numel() == x.numel() && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+        "out must be a contiguous, 16-byte aligned float32 tensor on x's device with x's number of values");
+  WidenArgs a{x.data_ptr(), out.data_ptr<float>(), x.numel()};
   launch_widen(a, c10::cuda::getCurrentCUDAStream());
 }
 

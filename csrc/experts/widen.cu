@@ -8,21 +8,13 @@
 // values (8 bytes) and stores their 16 bytes, so a warp's loads and its stores are each one
 // contiguous span; kWidenLoads loads a thread are in flight before the first store. The previous
 // loop (8 values a load, two 16-byte stores 32 bytes apart per thread, one wave of blocks
-// striding over the tensor) ran at 2.6 TB/s (run 44). `out` may be a slice of a wider gradient
-// (rows of `cols` values, out_row_stride apart): the experts' backward splits its last weight
-// gradient's GEMM in two, so that half of that gradient's widening runs beside the other half.
+// striding over the tensor) ran at 2.6 TB/s (run 44).
 #include "common/launch.h"
 #include "experts/experts.h"
 
 namespace moe_comm {
 
 constexpr int kWidenLoads = 4;  // 8-byte loads a thread keeps in flight
-
-// Where quad q of x (values 4q..4q+4) goes in out: its row's start plus its place in the row.
-__device__ __forceinline__ int64_t out_quad(const WidenArgs& a, int64_t q) {
-  const int64_t row_quads = a.cols / 4;
-  return q / row_quads * (a.out_row_stride / 4) + q % row_quads;
-}
 
 __global__ void __launch_bounds__(kWidenThreads) widen_kernel(const WidenArgs a) {
   const uint2* in = static_cast<const uint2*>(a.x);
@@ -38,7 +30,7 @@ __global__ void __launch_bounds__(kWidenThreads) widen_kernel(const WidenArgs a)
 #pragma unroll
   for (int i = 0; i < kWidenLoads; ++i) {
     const int64_t q = first + (int64_t)i * kWidenThreads;
-    if (q < quads) out[out_quad(a, q)] = make_uint4(v[i].x << 16, v[i].x & 0xffff0000u, v[i].y << 16, v[i].y & 0xffff0000u);
+    if (q < quads) out[q] = make_uint4(v[i].x << 16, v[i].x & 0xffff0000u, v[i].y << 16, v[i].y & 0xffff0000u);
   }
 }
 

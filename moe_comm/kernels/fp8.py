@@ -73,9 +73,8 @@ def transpose_rows(x_RC: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
 
 def widen(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """A bf16 weight gradient into `out`, float32 of x's shape (the dtype of the parameters at
-    world 1; csrc/experts/widen.cu says why this is not autograd's own cast): contiguous, or a
-    slice of a contiguous tensor's last dimension. The caller allocates out, on the stream that
-    will read it."""
+    world 1; csrc/experts/widen.cu says why this is not autograd's own cast). The caller allocates
+    out, on the stream that will read it."""
     if x.is_cuda:
         torch.ops.moe_comm.fp8_widen(x.contiguous(), out)
     else:
