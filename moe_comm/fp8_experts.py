@@ -474,19 +474,24 @@ class _Fp8Experts(torch.autograd.Function):
         # wgrad GEMM 24-41%, the widening about half beside either): dy's transpose beside dgrad
         # dh's GEMM (it hides nothing there but waits for nothing), h's on the main stream, x's and
         # dh13's beside dW2's GEMM, each fp32 weight gradient's widening beside the next GEMM, and
-        # dgrad dx's GEMM last, beside the last widening. Without one (CPU, or beside_gemms off)
-        # the same work runs in place, each in its own step of the benchmark's breakdown.
+        # dgrad dx's GEMM last, beside the last widening. Each `ready` is recorded just before the
+        # GEMM its work runs beside, so that work starts with the GEMM, not ahead of it: started
+        # first, a memory-bound kernel held the SMs the GEMM's persistent grid waited for (the
+        # probe's "kernel first": up to twice the kernel's time added). Without a side stream (CPU,
+        # or beside_gemms off) the same work runs in place, each in its own step of the
+        # benchmark's breakdown.
         side = _side_stream(dy) if ctx.beside_gemms else None
         widen = ctx.weight_dtype == torch.float32  # fp32 parameters (world 1): widened here, not by autograd
         experts, dim = w2_q.shape[:2]
         with torch.autocast(dy.device.type, enabled=False):  # as in forward
             _mark(marks, "start")
             dy_q, dy_scale, dy_amax = fp8.quantise_grad_rows(dy, offsets, w2_scale)  # dy diag(W2's row scales)
-            ready = _ready(side)  # dy and its columns' amax
             _mark(marks, "quantise_dy")
             w2t_q = transposed("w2", w2_q)  # [L, I, D]
             _mark(marks, "weights_t_2")
-            dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, ones(*w2t_q.shape[:2]), offsets)
+            w2t_scale = ones(*w2t_q.shape[:2])
+            ready = _ready(side)  # dy and its columns' amax
+            dh = fp8.scaled_grouped_mm(dy_q, w2t_q.transpose(-2, -1), dy_scale, w2t_scale, offsets)
             del dy_q, dy_scale, w2t_q
             if ctx.wgrad_fp8 and side is not None:
                 with _beside_gemms(side, ready):
@@ -494,7 +499,6 @@ class _Fp8Experts(torch.autograd.Function):
             _mark(marks, "dgrad_h")
             # dh13 for dgrad times W13's row scales; for wgrad (bf16) times x's row scales
             dh13_q, dh13_scale, dh13, h, h_dh13_amax = fp8.gate_backward(h13, dh, offsets, w13_scale, x_scale)
-            ready = _ready(side)  # h, dh13 and their columns' amax
             del dh
             _mark(marks, "gate_backward")
 
@@ -508,8 +512,10 @@ class _Fp8Experts(torch.autograd.Function):
                 _join(side)  # dy's
                 _mark(marks, "wgrad_operands")  # beside the GEMMs: what the main stream waits for of them
 
+                x_t_scale = ones(len(offsets), dim).view(-1)
+
                 def by_x(a_t, a_scale):  # [L, rows of a_t, D]: a_t against x's codes
-                    return fp8.scaled_grouped_mm(a_t, x_t.t(), a_scale, ones(len(offsets), dim).view(-1), offsets)
+                    return fp8.scaled_grouped_mm(a_t, x_t.t(), a_scale, x_t_scale, offsets)
                 gemms = (lambda: fp8.scaled_grouped_mm(dy_t, h_t.t(), dy_t_scale[0], h_t_scale[0], offsets),
                          lambda: by_x(dh13_t[:inter], dh13_t_scale[0]),
                          lambda: by_x(dh13_t[inter:], dh13_t_scale[1]))
@@ -523,24 +529,25 @@ class _Fp8Experts(torch.autograd.Function):
             out = [torch.empty(shape, dtype=torch.float32, device=w2_q.device) for shape in shapes] if widen else []
             grads = []  # the GEMMs' bf16 outputs, held until the main stream has waited for their widening
             for i, gemm in enumerate(gemms):
+                ready = _ready(side)  # all before GEMM i: h, dh13 and their amax; GEMM i - 1's output
                 grads.append(gemm())
                 if i == 0 and ctx.wgrad_fp8 and side is not None:
-                    with _beside_gemms(side, ready):  # ready: after gate_backward
+                    with _beside_gemms(side, ready):
                         x_t, (dh13_t, dh13_t_scale) = x_dh13_operands()
                     _join(side)  # for the GEMMs after this one
                 if widen and side is None:
                     fp8.widen(grads[i], out[i])
                 elif widen and i > 0:
-                    with _beside_gemms(side, ready):  # ready: GEMM i - 1 written
+                    with _beside_gemms(side, ready):
                         fp8.widen(grads[i - 1], out[i - 1])
-                ready = _ready(side)  # GEMM i written
             _mark(marks, "wgrad_gemm")
             w13t_q = transposed("w13", w13_q)  # [L, D, 2I]
             _mark(marks, "weights_t_13")
-            dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, ones(*w13t_q.shape[:2]),
-                                       offsets)
+            w13t_scale = ones(*w13t_q.shape[:2])
+            ready = _ready(side)  # the last weight gradient's GEMM written
+            dx = fp8.scaled_grouped_mm(dh13_q, w13t_q.transpose(-2, -1), dh13_scale, w13t_scale, offsets)
             if widen and side is not None:
-                with _beside_gemms(side, ready):  # the last GEMM of the weight gradients written
+                with _beside_gemms(side, ready):
                     fp8.widen(grads[-1], out[-1])
             _join(side)
             del dh13_q, dh13_scale, w13t_q
