@@ -2,7 +2,8 @@
 # Device call of the branch wgrad-beside-gemms after run 62 (the session's last device time, about
 # 6.5 minutes). Since run 62: the backward in the order that hides most beside the GEMMs (run 61's
 # probe: x's and dh13's transposes beside dW2's GEMM, dgrad dx's GEMM last with the last widening
-# beside it; dW3 no longer split); group_columns' grid with the column tiles along x again (run 62:
+# beside it; dW3 no longer split; each side block's event recorded just before its GEMM, so the
+# side work does not start ahead of the GEMM); group_columns' grid with the column tiles along x again (run 62:
 # the e4m3 transposes 20% slower with the chunks along x). The FP8 experts' GPU tests; the probe's
 # experts forward + backward beside vs one stream; the transposes alone (mild and hot-expert
 # routing); the one-GPU recipe 100 steps each: nccl bf16, FP8, nccl, FP8, packed after each.
