@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device call prepared in session 21 (2026-12-04, no device lent that session), after run 64: the
 # one-GPU recipe under TorchTitan's [compile] (model and loss, inductor) against eager, nccl bf16
-# and nvshmem FP8 experts + FP8 dispatch, 100 steps each, in one call. Run 60's trace puts about
-# 60 ms of each FP8 step (and as much of nccl's) in eager elementwise work that compile fuses:
+# and nvshmem FP8 experts + FP8 dispatch, 100 steps each, in one call. Run 60's trace puts 57.5 ms
+# of each FP8 step (and as much of nccl's) in torch's other kernels, much of it what compile fuses:
 # autocast's casts of the weights and their gradients' widening (the bf16 -> fp32 copies ran in
 # torch's unvectorised cast kernel: 9.7 ms a step), MLA's cats of q and k and their split's
 # backward (12 ms), the loss's fp32 copy and log-softmax (11.5 ms), norms, SiLU-mul. The MoE
