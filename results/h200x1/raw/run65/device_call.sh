@@ -11,7 +11,7 @@
 # The first compiled run pays the compile; the second reads inductor's cache (same graphs: the
 # compiled modules do not depend on the backend). Each run starts only while the call has time
 # left for it (budget guard), packed after each.
-source experiments/device_prelude.sh s21call2
+source experiments/device_prelude.sh run65
 fp8="--moe_comm.expert_dtype fp8 --moe_comm.dispatch_dtype fp8"
 compiled="--compile.enable"  # components: TorchTitan's default, model and loss
 room() { [ $(( $(date +%s) - start )) -lt $1 ] || { stamp "skipped: past $1 s"; return 1; }; }
