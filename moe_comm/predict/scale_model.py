@@ -848,11 +848,6 @@ def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
         call_graphs_per_layer=graphs, fp8_weights_per_layer=kept, fp8_forward_weights_per_layer=forward)
 
 
-def predict_all(w: Workload, cluster: Cluster, cal: Calibration) -> dict[str, StepPrediction]:
-    """Every choice's prediction, by its label."""
-    return {c.label: predict(c.backend, w, cluster, cal, c.dispatch_dtype) for c in choices()}
-
-
 def bench_round_trip(backend: str, tokens: int, hidden: int, top_k: int, experts: int, routing: str, world: int,
                      num_sms: int, cluster: Cluster, cal: Calibration) -> dict:
     """experiments/bench_comm.py's forward dispatch and combine (no backward, one node)."""
