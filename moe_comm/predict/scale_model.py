@@ -153,6 +153,7 @@ class Workload:
     # batch and the batch's data-parallel degree, as TorchTitan divides it)
     accumulation: int = 1
     loader_workers: int = 0  # [training.dataloader] num_workers (the GPU's idle share at world 1)
+    loss_compiled: bool = False  # [compile] enable with "loss" in components: TorchTitan compiles the loss
 
     @property
     def tokens_per_call(self) -> int:
@@ -217,6 +218,7 @@ def workload_from_recipe(r) -> Workload:
         recv_capacity_factor=mc.recv_capacity_factor, cuda_graphs=mc.cuda_graphs,
         accumulation=titan_fields.accumulation_steps(c.training, r.layout.dp_replicate, r.layout.dp_shard),
         loader_workers=c.training.dataloader.num_workers,
+        loss_compiled=c.compile.enable and "loss" in c.compile.components,
     )
 
 
