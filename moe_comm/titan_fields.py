@@ -1,5 +1,5 @@
-"""The TorchTitan 0.2.2 fields its trainer divides by, takes a remainder by, asserts on or
-counts with, checked before launch.
+"""The TorchTitan 0.2.2 fields its trainer divides by, takes a remainder by, asserts on, counts
+with or looks up by name (and ignores when the name is wrong), checked before launch.
 
 TorchTitan reads these only when it gets to them: `--checkpoint.interval 0` passes its parser,
 trains step 1 and then kills every rank with a ZeroDivisionError in `step % interval`. Each
@@ -10,6 +10,9 @@ profiling, validation) are checked only when it is on, as TorchTitan reads them 
 
 from moe_comm.errors import RecipeError
 from moe_comm.layout import Layout
+
+# What TorchTitan 0.2.2 compiles under [compile] enable, by the names [compile] components takes
+COMPILE_COMPONENTS = ("model", "loss")
 
 
 def _at_least(section: str, name: str, value: int, low: int, why: str) -> None:
@@ -100,6 +103,17 @@ def check(config, layout: Layout) -> None:
             raise RecipeError(
                 "[checkpoint] initial_load_in_hf = true needs initial_load_model_only = true (HF safetensors "
                 "hold the model only)"
+            )
+
+    # models/*/infra/parallelize.py `"model" in components`, components/loss.py `"loss" in components`:
+    # any other name compiles nothing, silently
+    if config.compile.enable:
+        unknown = [name for name in config.compile.components if name not in COMPILE_COMPONENTS]
+        if unknown or not config.compile.components:
+            raise RecipeError(
+                f"[compile] components = {list(config.compile.components)} must name what TorchTitan compiles: "
+                f"{' and/or '.join(repr(n) for n in COMPILE_COMPONENTS)} (it compiles nothing for "
+                f"{unknown or 'an empty list'}); or set [compile] enable = false"
             )
 
     prof = config.profiling
