@@ -115,6 +115,19 @@ def check(config, layout: Layout) -> None:
                 f"{' and/or '.join(repr(n) for n in COMPILE_COMPONENTS)} (it compiles nothing for "
                 f"{unknown or 'an empty list'}); or set [compile] enable = false"
             )
+        # torch.compile(..., backend=...) in apply_compile and build_cross_entropy_loss: an unknown
+        # name raises there, on every rank, after the job has started
+        from torch._dynamo.backends.registry import lookup_backend
+        from torch._dynamo.exc import InvalidBackend
+
+        try:
+            lookup_backend(config.compile.backend)
+        except InvalidBackend:
+            raise RecipeError(
+                f"[compile] backend = {config.compile.backend!r} is not a torch.compile backend: \"inductor\" "
+                "(TorchTitan's default) generates kernels; \"aot_eager\" traces without generating them "
+                "(torch._dynamo.list_backends() lists the rest)"
+            ) from None
 
     prof = config.profiling
     if prof.enable_profiling or prof.enable_memory_snapshot:

@@ -39,6 +39,7 @@ BAD = [
     (["--validation.steps", "0"], "validation steps must be positive or -1"),  # TorchTitan's own assert
     (["--training.dataloader.num_workers", "-1"], "[training.dataloader] num_workers = -1"),
     (["--compile.enable", "--compile.components", "model,los"], "[compile] components = ['model', 'los'] must name"),
+    (["--compile.enable", "--compile.backend", "inductr"], "[compile] backend = 'inductr' is not a torch.compile backend"),
     (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2",
       "--parallelism.pipeline_parallel_microbatch_size", "3"], "pipeline_parallel_microbatch_size = 3"),
     # torch's schedules refuse these microbatch counts when they are built, on every rank
@@ -82,6 +83,7 @@ def test_the_defaults_and_the_disabled_features_pass():
     recipe.load("recipes/debug_cpu.toml", ["--compile.components", "los"], device="cpu")  # compile is off
     for components in ("loss", "model", "model,loss"):
         recipe.load("recipes/debug_cpu.toml", ["--compile.enable", "--compile.components", components], device="cpu")
+    recipe.load("recipes/debug_cpu.toml", ["--compile.enable", "--compile.backend", "aot_eager"], device="cpu")
 
 
 @pytest.mark.parametrize("verb", ["check", "submit", "train"])
