@@ -8,11 +8,15 @@ dropped when TorchTitan checks it itself. Fields of a feature that is off (check
 profiling, validation) are checked only when it is on, as TorchTitan reads them only then.
 """
 
+import difflib
+
 from moe_comm.errors import RecipeError
 from moe_comm.layout import Layout
 
 # What TorchTitan 0.2.2 compiles under [compile] enable, by the names [compile] components takes
 COMPILE_COMPONENTS = ("model", "loss")
+# The optimizers TorchTitan 0.2.2 builds, by [optimizer] name (components/optimizer.py)
+OPTIMIZERS = ("Adam", "AdamW")
 
 
 def _at_least(section: str, name: str, value: int, low: int, why: str) -> None:
@@ -104,6 +108,22 @@ def check(config, layout: Layout) -> None:
                 "[checkpoint] initial_load_in_hf = true needs initial_load_model_only = true (HF safetensors "
                 "hold the model only)"
             )
+
+    # components/optimizer.py build_optimizers: NotImplementedError for another name, and for a
+    # step in the backward under expert or pipeline parallelism
+    o = config.optimizer
+    if o.name not in OPTIMIZERS:
+        close = [n for n in OPTIMIZERS if n.lower() == o.name.lower()] or difflib.get_close_matches(
+            o.name, OPTIMIZERS, n=1, cutoff=0.5)
+        raise RecipeError(
+            f"[optimizer] name = {o.name!r} must be {' or '.join(repr(n) for n in OPTIMIZERS)} (the optimizers "
+            f"TorchTitan builds){f'; did you mean {close[0]!r}?' if close else ''}"
+        )
+    if o.early_step_in_backward and (layout.ep > 1 or layout.pp > 1):
+        raise RecipeError(
+            f"[optimizer] early_step_in_backward = true needs expert_parallel_degree and pipeline_parallel_degree "
+            f"1 (TorchTitan steps in the backward only without them; here EP {layout.ep}, PP {layout.pp}): set it false"
+        )
 
     # models/*/infra/parallelize.py `"model" in components`, components/loss.py `"loss" in components`:
     # any other name compiles nothing, silently

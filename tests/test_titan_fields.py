@@ -39,6 +39,9 @@ BAD = [
     (["--validation.steps", "0"], "validation steps must be positive or -1"),  # TorchTitan's own assert
     (["--training.dataloader.num_workers", "-1"], "[training.dataloader] num_workers = -1"),
     (["--compile.enable", "--compile.components", "model,los"], "[compile] components = ['model', 'los'] must name"),
+    (["--optimizer.name", "Adamw"], "[optimizer] name = 'Adamw' must be 'Adam' or 'AdamW' (the optimizers TorchTitan "
+                                     "builds); did you mean 'AdamW'?"),
+    (["--optimizer.early_step_in_backward"], "[optimizer] early_step_in_backward = true needs expert_parallel_degree"),
     (["--compile.enable", "--compile.backend", "inductr"], "[compile] backend = 'inductr' is not a torch.compile backend"),
     (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2",
       "--parallelism.pipeline_parallel_microbatch_size", "3"], "pipeline_parallel_microbatch_size = 3"),
