@@ -67,6 +67,13 @@ def check(config, layout: Layout) -> None:
 
     # distributed/pipeline_parallel.py: local batch % microbatch, then local batch // microbatch
     if layout.pp > 1:
+        # distributed/pipeline_parallel.py: get_schedule_class(name) raises for a name torch lacks
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        try:
+            get_schedule_class(p.pipeline_parallel_schedule)
+        except ValueError as e:
+            raise RecipeError(f"[parallelism] pipeline_parallel_schedule = {p.pipeline_parallel_schedule!r}: {e}") from None
         mb = p.pipeline_parallel_microbatch_size
         _at_least("parallelism", "pipeline_parallel_microbatch_size", mb, 1, "rows of the local batch per pipeline microbatch")
         if t.local_batch_size % mb:

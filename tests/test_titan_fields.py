@@ -42,6 +42,8 @@ BAD = [
     (["--optimizer.name", "Adamw"], "[optimizer] name = 'Adamw' must be 'Adam' or 'AdamW' (the optimizers TorchTitan "
                                      "builds); did you mean 'AdamW'?"),
     (["--optimizer.early_step_in_backward"], "[optimizer] early_step_in_backward = true needs expert_parallel_degree"),
+    (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+      "1F1b2"], "[parallelism] pipeline_parallel_schedule = '1F1b2': Unknown schedule name '1F1b2'. The valid options"),
     (["--compile.enable", "--compile.backend", "inductr"], "[compile] backend = 'inductr' is not a torch.compile backend"),
     (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2",
       "--parallelism.pipeline_parallel_microbatch_size", "3"], "pipeline_parallel_microbatch_size = 3"),
