@@ -281,9 +281,11 @@ def test_one_gpu_memory_and_throughput_held_out(validated):
     assert max(abs(r.error_pct) for r in tps) < 8.0
 
 
-def test_allocator_cache_constant_matches_its_fit():
+def test_allocator_cache_constants_match_their_fits():
     assert validation.fit_allocator_cache() == pytest.approx(
         estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM, abs=1.0)
+    assert validation.fit_allocator_cache(sharded=False) == pytest.approx(
+        estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM_UNSHARDED, abs=0.1)
 
 
 def test_nothing_is_fitted_to_the_nebius_anchors(validated, monkeypatch):

@@ -32,7 +32,8 @@ Memory (per GPU, bytes) is written down term by term so it can be argued with:
     rank is unsharded in bf16, with an fp32 gradient, for the whole step.
   * without PP, activations and gradients never peak together (`MemoryEstimate`): the peak in
     use is the end of the forward pass or the end of the backward pass, whichever is larger, and the
-    caching allocator reserves more than that (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM).
+    caching allocator reserves more than that (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM, and a
+    smaller figure without fully_shard).
   * without fully_shard (`fsdp_applied`: dp_shard x cp = 1 and EP 1, e.g. one GPU) there is no
     working set and no gradient reduce: TorchTitan trains under torch.autocast instead
     (`autocast`), with fp32 parameters. Autocast keeps a bf16 copy of every weight it casts until
@@ -159,6 +160,11 @@ def _autocast_extra_bytes_per_token(a, moe_layer: bool) -> float:
 # fp32 gradients) are a step's largest transient blocks and leave the cache fragmented; the
 # term is an empirical fit, not a mechanism.
 ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM = 41.0
+# ... and without fully_shard (one GPU: autocast), where no unsharded embedding, output or their
+# gradients pass through the cache: fitted over the one-H200 recipe's run 27 (no AC, with and
+# without the MoE calls' CUDA graphs). The 2xH200 figure above overestimated the one-GPU runs'
+# reserved memory by 21-28% (results/scale_model.md, before session 22).
+ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM_UNSHARDED = 4.4
 
 
 @dataclass
@@ -178,7 +184,7 @@ class MemoryEstimate:
     activations: float
     weight_copies: float  # autocast's bf16 copies of the weights, held to their backward (0 under fully_shard)
     logits: float
-    allocator_cache: float  # reserved beyond the peak in use (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM)
+    allocator_cache: float  # reserved beyond the peak in use (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM*)
     pipelined: bool = False  # PP: gradients accumulate while microbatches are in flight
     microbatches_in_flight: float = 1.0  # whole-rank microbatches whose activations are held at the peak
     stages_per_rank: int = 1
@@ -365,7 +371,8 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
     comm_kept = comm_kept_per_layer * moe_layers * in_flight if ac_mode != "none" else 0.0
     on_last = rank is None or rank.output
     logits = tokens_one_mb * a.vocab_size * logits_bytes(loss_compiled) / cp_tp if on_last else 0.0
-    cache = ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM * a.vocab_size * a.dim / layout.tp
+    per_param = ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM if sharded else ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM_UNSHARDED
+    cache = per_param * a.vocab_size * a.dim / layout.tp
     return MemoryEstimate(
         params_and_optimizer=12 * p.total / shard, gradients=4 * p.total / shard,
         fsdp_working_set=fsdp_working_set, grad_reduce=grad_reduce, activations=activations,
