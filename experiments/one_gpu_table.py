@@ -30,9 +30,8 @@ def run_row(folder: Path) -> dict:
         "mem_active_gib": max(r[keys.MEM_ACTIVE] for r in recs),
         "mem_reserved_gib": max(r[keys.MEM_RESERVED] for r in recs),
         "step_s": med(keys.STEP_TIME_TT), "final_loss": recs[-1][keys.LOSS]}
-    for p in PHASES:
-        row[p.removeprefix(keys.PREFIX)] = med(p)
-    row["local_work_ms"] = sum(row[p.removeprefix(keys.PREFIX)] for p in PHASES)
+    phases = {p.removeprefix(keys.PREFIX): med(p) for p in PHASES}
+    row.update(phases, local_work_ms=sum(phases.values()))
     return row
 
 

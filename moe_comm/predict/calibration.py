@@ -172,6 +172,11 @@ def _profile(inputs: Path, sweep: str, run_name: str) -> dict:
     return json.loads((inputs / _profile_file(sweep, run_name)).read_text())
 
 
+def _idle_per_busy(profile: dict) -> float:
+    """A step profile's GPU idle per busy second (experiments/profile_summary.py's shares)."""
+    return profile["gpu_idle_share"] / profile["gpu_busy_share"]
+
+
 def _other_ms(profile: dict) -> float:
     return profile["kernel_time_share"]["other_kernels"] * profile["span_ms"]
 
@@ -288,7 +293,7 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
     prof = _profile(inputs, *CALIBRATION_RUN)
     prof_src = f"{rel}/{_profile_file(*CALIBRATION_RUN)}"
     moe_layers = a.n_layers - a.n_dense_layers
-    idle_ratio = prof["gpu_idle_share"] / prof["gpu_busy_share"]
+    idle_ratio = _idle_per_busy(prof)
     A.append(Assumption("GPU idle per busy second (launch gaps, host work)", idle_ratio, "", f"{prof_src}"))
 
     # the nccl path's backward: at 2 x 4096 (no memory pressure) the nccl run's other kernels
@@ -300,8 +305,7 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
     A.append(Assumption("nccl path: per expert row per backward round trip", nccl_bwd_row, "us",
                         f"{rel}/{_profile_file('mfu_sweep', '*-{nccl,nvshmem}-b2-s4096')}: other-kernel time "
                         "difference less the forward permutes"))
-    one_gpu = json.loads((inputs / ONE_GPU_IDLE_PROFILE).read_text())
-    one_gpu_idle = one_gpu["gpu_idle_share"] / one_gpu["gpu_busy_share"]
+    one_gpu_idle = _idle_per_busy(json.loads((inputs / ONE_GPU_IDLE_PROFILE).read_text()))
     A.append(Assumption("GPU idle per busy second, one GPU with a dataloader worker (central there)", one_gpu_idle, "",
                         f"{rel}/{ONE_GPU_IDLE_PROFILE}: the one-GPU recipe's step, GPU-bound since the batch loads "
                         "in a worker; without one the step waits for each batch on its thread, which that "
@@ -398,8 +402,7 @@ def _idle_range(inputs: Path) -> tuple[float, float, list[str]]:
     """The lowest and highest GPU idle per busy second of the step profiles among the inputs."""
     ratios = {}
     for path in sorted(inputs.glob("profile_*.json")):
-        prof = json.loads(path.read_text())
-        ratios[path.name] = prof["gpu_idle_share"] / prof["gpu_busy_share"]
+        ratios[path.name] = _idle_per_busy(json.loads(path.read_text()))
     return min(ratios.values()), max(ratios.values()), list(ratios)
 
 
