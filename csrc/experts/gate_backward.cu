@@ -22,7 +22,8 @@ constexpr int kGateBackwardThreadsPerSm = kThreadsPerSm / 4;
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, kGateBackwardThreadsPerSm / kThreads) gate_backward_kernel(const GateBackwardArgs a) {
-  __shared__ float scratch[kThreads / kWarpSize];
+  __shared__ float scratch[2 * kThreads / kWarpSize];
+  BlockMax<kThreads> block_max{scratch};
   extern __shared__ float4 walk_s[];
   int64_t first, last;
   block_rows(rows_used(a.offsets, a.groups), first, last);
@@ -74,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, kGateBackwardThreadsPerSm / kThreads
         amax = fmaxf(amax, fmaxf(amax8(d1[i]), amax8(d3[i])));
       }
     }
-    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
+    const float scale = fp8_scale(block_max.of(amax), kFp8MinAmaxSmall);
     uint2* q1 = reinterpret_cast<uint2*>(a.q + row * 2 * a.inter);
     uint2* q3 = q1 + vecs;
 #pragma unroll

@@ -21,7 +21,8 @@ constexpr int kQuantiseRowsThreadsPerSm = kThreadsPerSm / 2;
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, kQuantiseRowsThreadsPerSm / kThreads) quantise_rows_kernel(const QuantiseRowsArgs a) {
-  __shared__ float scratch[kThreads / kWarpSize];
+  __shared__ float scratch[2 * kThreads / kWarpSize];
+  BlockMax<kThreads> block_max{scratch};
   extern __shared__ float4 walk_s[];
   int64_t first, last;
   block_rows(rows_used(a.offsets, a.groups), first, last);
@@ -47,7 +48,7 @@ __global__ void __launch_bounds__(kThreads, kQuantiseRowsThreadsPerSm / kThreads
         amax = fmaxf(amax, amax8(f[i]));
       }
     }
-    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
+    const float scale = fp8_scale(block_max.of(amax), kFp8MinAmaxSmall);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.channels);
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {

@@ -139,20 +139,29 @@ __device__ __forceinline__ void scale8(float (&f)[8], const VecSplit* channel_sc
   f[4] *= hi.x, f[5] *= hi.y, f[6] *= hi.z, f[7] *= hi.w;
 }
 
-// Max of v over the block of kThreads, on every thread. `scratch`: kThreads / 32 floats of shared
-// memory, free again when this returns (the first barrier keeps a previous call's readers ahead).
+// Max over the block of kThreads, on every thread, once a row: `of(v)` with every thread's v.
+// One barrier a call: the calls alternate between two halves of `scratch` (2 * kThreads / 32
+// floats of shared memory), so a call's writes never meet the previous call's reads, and a thread
+// writes a half again only two calls on, after the barrier of the call between, which no thread
+// passes before it has read this call's half. (With one half, a barrier before the writes kept
+// the previous call's readers ahead: two barriers a row.)
 template <int kThreads>
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float m = 0.f;
+struct BlockMax {
+  float* scratch;
+  int half = 0;
+  __device__ __forceinline__ float of(float v) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    float* mine = scratch + half * (kThreads / kWarpSize);
+    half ^= 1;
+    v = warp_max(v);
+    if (lane == 0) mine[warp] = v;
+    __syncthreads();
+    float m = 0.f;
 #pragma unroll
-  for (int w = 0; w < kThreads / kWarpSize; ++w) m = fmaxf(m, scratch[w]);
-  return m;
-}
+    for (int w = 0; w < kThreads / kWarpSize; ++w) m = fmaxf(m, mine[w]);
+    return m;
+  }
+};
 
 // The most threads an SM holds (Hopper): resident blocks of a row kernel are bounded by it.
 constexpr int kThreadsPerSm = 2048;
@@ -235,7 +244,7 @@ __device__ __forceinline__ void put8_in_tile(uint8_t* tile, int ch, int r, uint2
 }
 
 // A row kernel's loads of the next row, issued before the block reduces and stores the current
-// one, so that a thread's loads are in flight through the barriers of block_max: kOperands
+// one, so that a thread's loads are in flight through the barrier of BlockMax: kOperands
 // arrays of the row, kRowVecs 8-channel vectors each (vector v = threadIdx.x + i * kThreads of
 // those below vecs). Rows one after the other: fetch the first, then take each row while
 // fetching the next.
