@@ -6,7 +6,7 @@
 # The FP8 experts' GPU tests of this tree (their kernels bit for bit against the reference); the row
 # kernels alone, main's and this tree's alternated twice; then the one-GPU recipe 100 steps each:
 # nccl bf16, this tree's FP8, nccl, FP8 (about 6 minutes). Merge if the tests pass and the kernels
-# are faster.
+# are faster. The SM clock and power are sampled through the first FP8 run.
 source experiments/device_prelude.sh s21call1
 old=$PWD/.device/old
 (cd $old && PYTHONPATH=/tmp/site:$old MAX_JOBS=8 python3 -m moe_comm build --arch 90 --out /tmp/b_old > $o/build_old.log 2>&1) &
@@ -27,7 +27,12 @@ pack
 fp8="--moe_comm.expert_dtype fp8 --moe_comm.dispatch_dtype fp8"
 TRAIN_TIMEOUT=110
 train nccl_bf16 --moe_comm.backend nccl; pack
-train nvshmem_fp8 $fp8; pack
+# the SM clock and power every 50 ms through the first FP8 run: is the first backward MoE layer slow
+# (run 60's trace: every kernel of it 15-70% slower) because the GPU slows after the output layer?
+(timeout 100 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+  --format=csv -lms 50 > $o/clocks_nvshmem_fp8.csv 2>&1) &
+clocks=$!
+train nvshmem_fp8 $fp8; kill $clocks 2>/dev/null; pack
 train nccl_bf16_again --moe_comm.backend nccl; pack
 train nvshmem_fp8_again $fp8
 python3 experiments/one_gpu_table.py $o > $o/table.md 2>&1; cat $o/table.md
