@@ -7,6 +7,13 @@ Kernel time is summed by category over the profiled step's span: MoE dispatch/co
 collectives (all-gather / reduce-scatter), GEMMs, and everything else; "idle" is the share of
 the span in which no kernel ran at all (host syncs, launch gaps). Every profile summary under
 results/ was computed this way, so the numbers compare.
+
+`launchers_ms` says who launched the time: each kernel is traced back, through the launch call
+that shares its correlation id, to the CPU events open around that call on its thread, the
+innermost annotation or autograd node (`fwd:layers.1.moe`, `autograd::engine::evaluate_function:
+XBackward0`) and the innermost op. That is how run 60's FP8 step showed autograd zero-filling a
+gradient for each of dispatch's non-differentiable outputs (`_DispatchFp8RowsBackward >
+aten::fill_`), which no kernel name would have told.
 """
 
 import json
@@ -52,6 +59,47 @@ def top_kernels_ms(by_name: dict[str, float]) -> dict[str, float]:
     return {name: t / 1e3 for name, t in sorted(cut.items(), key=lambda kv: -kv[1])[:TOP]}
 
 
+AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+
+
+def launchers_ms(events: list[dict], span_start: float, span_end: float) -> dict[str, float]:
+    """The TOP largest kernel times in the span (ms) by "context > op | kernel": the innermost
+    annotation or autograd node open around the kernel's launch, the innermost other CPU op, and the
+    kernel's name (80 characters). Kernels whose launch is not in the trace count under "?"."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    where: dict[int, str] = {}  # correlation -> "context > op"
+    by_thread: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"):
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        open_: list[dict] = []  # the CPU events enclosing the current time, outermost first
+        for e in thread:
+            while open_ and open_[-1]["ts"] + open_[-1]["dur"] < e["ts"]:
+                open_.pop()
+            if e["cat"] in ("cuda_runtime", "cuda_driver"):
+                if e.get("args", {}).get("correlation") in launches:
+                    context = next((o["name"] for o in reversed(open_) if o["cat"] == "user_annotation"
+                                    or o["name"].startswith(AUTOGRAD_NODE)), "-")
+                    op = next((o["name"] for o in reversed(open_) if o["cat"] == "cpu_op"
+                               and not o["name"].startswith(AUTOGRAD_NODE)), "-")
+                    where[e["args"]["correlation"]] = f"{context} > {op}"
+                continue
+            open_.append(e)
+    times: dict[str, float] = {}
+    for k in events:
+        if k.get("ph") != "X" or k.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        a, b = max(k["ts"], span_start), min(k["ts"] + k["dur"], span_end)
+        if b <= a:
+            continue
+        key = f"{where.get(k.get('args', {}).get('correlation'), '?')} | {k['name'][:80]}"
+        times[key] = times.get(key, 0.0) + (b - a)
+    return {key: t / 1e3 for key, t in sorted(times.items(), key=lambda kv: -kv[1])[:TOP]}
+
+
 def summarize(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text()).get("traceEvents", [])
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -84,6 +132,7 @@ def summarize(trace_path: Path) -> dict:
         # the kernels that take the most time, by name (first 160 characters), for a breakdown
         # finer than the categories (the MoE layer's permute, grouped GEMM, attention...)
         "top_kernels_ms": top_kernels_ms(by_name),
+        "launchers_ms": launchers_ms(events, span_start, span_end),
     }
 
 
