@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, kGateBackwardThreadsPerSm / kThreads
   RowPrefetch<kThreads, 3> rows{vecs};
   rows.fetch(first < last, {h13 + first * 2 * vecs, h13 + first * 2 * vecs + vecs, dh + first * vecs});
   for (int64_t row = first; row < last; ++row) {
-    const VecSplit* channel_scale = walk.enter(row);
+    const VecSplit channel_scale = walk.enter(row);
     const float row_scale = a.row_scale ? a.row_scale[row] : 1.f;
     uint4 in[3][kRowVecs];  // h1, h3, dh
     const int64_t next = row + 1;

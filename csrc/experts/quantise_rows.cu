@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kThreads, kQuantiseRowsThreadsPerSm / kThreads
   RowPrefetch<kThreads, 1> rows{vecs};
   rows.fetch(first < last, {x + first * vecs});
   for (int64_t row = first; row < last; ++row) {
-    const VecSplit* channel_scale = walk.enter(row);
+    const VecSplit channel_scale = walk.enter(row);
     uint4 raw[1][kRowVecs];
     rows.take(raw, row + 1 < last, {x + (row + 1) * vecs});
     float f[kRowVecs][8];

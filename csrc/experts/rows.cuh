@@ -83,8 +83,11 @@ struct ExpertWalk {
       for (int i = threadIdx.x; i < amax_channels / 4; i += blockDim.x) col_amax_s.base[i] = float4{0.f, 0.f, 0.f, 0.f};
     }
   }
-  // Enter row's expert (every thread of the block, the same row): the scales to fold, or null.
-  __device__ __forceinline__ const VecSplit* enter(int64_t row) {
+  // Enter row's expert (every thread of the block, the same row): the scales to fold (base null:
+  // none). By value: a pointer to a member kept the whole walk in local memory (88 bytes of stack
+  // frame in quantise_rows and gate_backward, read in the row loop), where by value it lives in
+  // registers (ptxas -v: no stack frame).
+  __device__ __forceinline__ VecSplit enter(int64_t row) {
     const int g = experts.at(row);
     if (g != current && (scale_src != nullptr || col_amax != nullptr)) {
       __syncthreads();  // the previous expert's readers and writers are done
@@ -98,7 +101,7 @@ struct ExpertWalk {
       __syncthreads();
     }
     current = g;
-    return scale_src != nullptr ? &scales_s : nullptr;
+    return scale_src != nullptr ? scales_s : VecSplit{nullptr, 0};
   }
   // |f| into the columns' amax of vector v (channels 8v..8v+8 of the amax array: this thread's own).
   __device__ __forceinline__ void take8(const float (&f)[8], int v) {
@@ -131,10 +134,10 @@ struct ExpertWalk {
   }
 };
 
-// f *= the scales of vector v (a no-op for null: no scale to fold).
-__device__ __forceinline__ void scale8(float (&f)[8], const VecSplit* channel_scale, int v) {
-  if (channel_scale == nullptr) return;
-  const float4 lo = channel_scale->lo(v), hi = channel_scale->hi(v);
+// f *= the scales of vector v (a no-op where base is null: no scale to fold).
+__device__ __forceinline__ void scale8(float (&f)[8], const VecSplit& channel_scale, int v) {
+  if (channel_scale.base == nullptr) return;
+  const float4 lo = channel_scale.lo(v), hi = channel_scale.hi(v);
   f[0] *= lo.x, f[1] *= lo.y, f[2] *= lo.z, f[3] *= lo.w;
   f[4] *= hi.x, f[5] *= hi.y, f[6] *= hi.z, f[7] *= hi.w;
 }
