@@ -2,7 +2,9 @@
 # Device call of the branch row-kernels-one-barrier (prepared in session 20, not yet run), main's
 # tree carried in .device/old (git archive main | tar x -C .device/old; rm -rf .device/old/results;
 # carry [".whl", ".device/old"]) and built beside it. The branch's row kernels (quantise_rows,
-# gate, gate_backward, weights) take one block barrier a row instead of two (BlockMax, rows.cuh).
+# gate, gate_backward, weights) take one block barrier a row instead of two (BlockMax, rows.cuh),
+# and quantise_rows and gate_backward no longer keep their experts' walk in local memory (ptxas -v
+# with the build's flags: 112 and 96 bytes of stack frame with spills on main, 8 and 0 here).
 # The FP8 experts' GPU tests of this tree (their kernels bit for bit against the reference); the row
 # kernels alone, main's and this tree's alternated twice; then the one-GPU recipe 100 steps each:
 # nccl bf16, this tree's FP8, nccl, FP8 (about 6 minutes). Merge if the tests pass and the kernels
