@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call of the branch row-kernels-one-barrier (prepared in session 20, not yet run), main's
+# Device call of the branch row-kernels (prepared in session 20, not yet run), main's
 # tree carried in .device/old (git archive main | tar x -C .device/old; rm -rf .device/old/results;
 # carry [".whl", ".device/old"]) and built beside it. The branch's row kernels (quantise_rows,
 # gate, gate_backward, weights) take one block barrier a row instead of two (BlockMax, rows.cuh),
