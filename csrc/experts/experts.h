@@ -107,7 +107,6 @@ struct GroupColumnsArgs {
   int64_t row_stride;      // of q: the rows rounded up to 16 (uniform_rows: uniform_rows)
   uint8_t* q;              // [channels, row_stride]
   float* scale;            // [halves, groups, channels / halves]
-  int64_t chunk_rows;      // rows a block takes at most (set by launch_group_columns)
 };
 
 // The weight gradients (bf16, from the wgrad GEMMs) widened to fp32 parameters' dtype: n values,
@@ -123,7 +122,7 @@ void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count,
 void launch_gate(const GateArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_weights(const WeightsArgs& a, int sm_count, cudaStream_t stream);
-void launch_group_columns(GroupColumnsArgs a, cudaStream_t stream);
+void launch_group_columns(const GroupColumnsArgs& a, cudaStream_t stream);
 void launch_widen(const WidenArgs& a, cudaStream_t stream);
 
 }  // namespace moe_comm
