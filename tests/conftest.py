@@ -74,12 +74,17 @@ SHARED_RUNS = {
     # forkserver, which must pickle the dataset, and TorchTitan's merged job config does not pickle
     "ours_ep2_workers": (*NO_WANDB, "--training.steps", "3", "--training.dataloader.num_workers", "1",
                          "--training.dataloader.prefetch_factor", "2"),
+    # test_train_equality: the model under TorchTitan's [compile] (model and loss), as the MXFP8
+    # recipe runs it, through our MoE path. aot_eager traces and differentiates exactly what
+    # inductor would (dynamo, fullgraph, AOT autograd) without generating C++ kernels (inductor
+    # took ~35 s of CPU for the same graphs)
+    "ours_ep2_compiled": (*NO_WANDB, "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager"),
 }
 # The shared runs whose tests read only what the ranks wrote (losses, metrics, rank logs), with
 # their number of ranks: forked from tests/ranks.py's fork server (tests/titan_rank.py) instead of
 # started by `train` and torchrun, which saves ~10 CPU-seconds of start-up per run and ~7 per rank
 # (the launcher's, torchrun's and each rank's imports); the same trainer with the same arguments.
-FORKED_RUNS = {"titan_ep2": 2, "ours_ep1": 2, "ours_ep2_bf16": 2, "titan_ep2_bf16": 2, "pp2": 4}
+FORKED_RUNS = {"titan_ep2": 2, "ours_ep1": 2, "ours_ep2_bf16": 2, "titan_ep2_bf16": 2, "pp2": 4, "ours_ep2_compiled": 2}
 # The background's processes (shared runs, the modules' `in_background` work) run at this nice
 # value: the test thread, whose tests run one at a time, keeps a core to itself, and the
 # background fills what is left (on 2 cores, with everything at one priority, the background's

@@ -160,6 +160,31 @@ def test_one_gpu_is_priced_at_ep_1():
     assert ours.terms_ms["fsdp exposed"] == 0 and ours.tokens_per_s_per_gpu > nccl.tokens_per_s_per_gpu
 
 
+def test_one_gpu_with_a_loader_worker_takes_its_own_idle_share():
+    """World 1 with a dataloader worker (the one-GPU recipe as it ships) idles at the one-GPU
+    profile's share, in the central scenario only; without a worker, on two GPUs and at the
+    range's ends the calibration's shares stand."""
+    cal = replace(hand_calibration(), one_gpu_idle_ratio=0.02)
+    spec = {"gpu": "H200", "recipe": "recipes/deepseek_v3_671b_h200x1.toml", "overrides": []}
+    w, _ = scale_model.workload_from_spec(spec)
+    assert w.loader_workers == 1  # the recipe's [training.dataloader] num_workers
+    cluster = scale_model.cluster_for("H200", 1, 1, cal)
+
+    def idle_share(workload, c=cal, scenario="central"):
+        p = scale_model.predict("nvshmem", workload, cluster, c, scenario=scenario)
+        busy = sum(v for k, v in p.terms_ms.items() if k not in ("idle", *scale_model.WAITING_TERMS))
+        return p.terms_ms["idle"] / busy
+
+    assert idle_share(w) == pytest.approx(0.02)
+    assert idle_share(replace(w, loader_workers=0)) == pytest.approx(0.1)
+    assert idle_share(w, replace(cal, one_gpu_idle_ratio=None)) == pytest.approx(0.1)
+    two = replace(w, layout=Layout(2, 1, 2, 1, 2, 1, 1, 1, 2, 1))
+    assert idle_share(two) == pytest.approx(0.1)
+    ranged = replace(cal, inputs={s: replace(cal.scenario(), idle_ratio=r) for s, r in
+                                  (("low", 0.3), ("central", 0.1), ("high", 0.05))})
+    assert (idle_share(w, ranged, "low"), idle_share(w, ranged, "high")) == pytest.approx((0.3, 0.05))
+
+
 def test_pipeline_bubble_and_microbatches():
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 

@@ -55,6 +55,9 @@ OUR_KERNELS_ROWS, ALL_TO_ALL_ROWS = NvshmemBackend.name, NcclBackend.name
 CALIBRATION_SMS = (20, 64)
 # The profiled training run that calibrates the GPU's idle share (current kernels), by sweep and run name.
 CALIBRATION_RUN = ("split_kernels", "deepseek_v3_671b_layers_h200x2-nvshmem-b4-s4096")
+# The profile that gives the idle share of one GPU (world 1) whose batch a dataloader worker loads:
+# the one-GPU recipe's step over six profiled steps (run 50), GPU-bound since the worker (run 46).
+ONE_GPU_IDLE_PROFILE = "profile_h200x1_host_profile_deepseek_v3_671b_h200x1-nvshmem-bf16-run50.json"
 # The measured inputs found by their schema (experiments/host_syncs.py, experiments/routing_imbalance.py).
 HOST_SYNCS_SCHEMA, IMBALANCE_SCHEMA = "host_syncs/1", "routing_imbalance/1"
 # experiments/host_syncs.py's phases, by the transfer of moe_comm.predict.scale_model they are.
@@ -85,6 +88,9 @@ class Calibration:
     nccl_row_us: float  # nccl path: per expert row per forward round trip (permute, unpermute)
     nccl_backward_row_us: float  # the same in the backward pass
     idle_ratio: float  # GPU idle / busy
+    # GPU idle / busy of one GPU with a dataloader worker (ONE_GPU_IDLE_PROFILE; None: the central
+    # idle_ratio stands there too)
+    one_gpu_idle_ratio: float | None = None
     # the measured layer parts (layer_compute.BENCH): every GEMM, attention and
     # memory-bound time of the step model (None only in hand-made calibrations of the tests)
     layer_bench: layer_compute.LayerBench | None = None
@@ -294,6 +300,12 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
     A.append(Assumption("nccl path: per expert row per backward round trip", nccl_bwd_row, "us",
                         f"{rel}/{_profile_file('mfu_sweep', '*-{nccl,nvshmem}-b2-s4096')}: other-kernel time "
                         "difference less the forward permutes"))
+    one_gpu = json.loads((inputs / ONE_GPU_IDLE_PROFILE).read_text())
+    one_gpu_idle = one_gpu["gpu_idle_share"] / one_gpu["gpu_busy_share"]
+    A.append(Assumption("GPU idle per busy second, one GPU with a dataloader worker (central there)", one_gpu_idle, "",
+                        f"{rel}/{ONE_GPU_IDLE_PROFILE}: the one-GPU recipe's step, GPU-bound since the batch loads "
+                        "in a worker; without one the step waits for each batch on its thread, which that "
+                        "profile did not measure, and the central share above stands"))
     idle_lo, idle_hi, idle_files = _idle_range(inputs)
     A.append(Assumption("GPU idle per busy second of compute, its range", idle_ratio, "",
                         f"{prof_src} (central)", low=idle_lo, high=idle_hi,
@@ -361,6 +373,7 @@ def calibrate(inputs: Path = MODEL_INPUTS) -> Calibration:
         layer_bench=bench, p2p_gbps=p2p, nvlink_copy_efficiency=copy_eff, kernel_floor_us=floor, ops=ops, deepep_ops=deepep_ops,
         expand=layout["expand"], reduce=layout["reduce"], layout_hbm_efficiency=layout_eff,
         nccl_call_us=nccl_call, nccl_row_us=nccl_row, nccl_backward_row_us=nccl_bwd_row, idle_ratio=idle_ratio,
+        one_gpu_idle_ratio=one_gpu_idle,
         assumptions=A, host_syncs=host_syncs, imbalance=imbalance, inputs=scenarios,
     )
     return cal

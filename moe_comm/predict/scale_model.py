@@ -152,6 +152,7 @@ class Workload:
     # gradient-accumulation steps per optimizer step ([training] global_batch_size over the local
     # batch and the batch's data-parallel degree, as TorchTitan divides it)
     accumulation: int = 1
+    loader_workers: int = 0  # [training.dataloader] num_workers (the GPU's idle share at world 1)
 
     @property
     def tokens_per_call(self) -> int:
@@ -215,6 +216,7 @@ def workload_from_recipe(r) -> Workload:
         combine_grad_dtype=mc.combine_grad_dtype, recompute_comm=c.model.name != OUR_MODEL_NAME,
         recv_capacity_factor=mc.recv_capacity_factor, cuda_graphs=mc.cuda_graphs,
         accumulation=titan_fields.accumulation_steps(c.training, r.layout.dp_replicate, r.layout.dp_shard),
+        loader_workers=c.training.dataloader.num_workers,
     )
 
 
@@ -614,6 +616,16 @@ def _pp_rate_gbps(w: Workload, cluster: Cluster, cal: Calibration) -> float:
 MAX_FSDP_NIC_SHARE = 0.5
 
 
+def idle_ratio(w: Workload, cal: Calibration, inputs: Inputs, scenario: str) -> float:
+    """The GPU's idle per busy second of the workload's step: the central share is one GPU's own
+    where a single GPU's batch loads in a dataloader worker (its step is GPU-bound: measured
+    there), the multi-GPU profile's elsewhere; the range's ends stand for every workload."""
+    if (scenario == "central" and w.layout.world == 1 and w.loader_workers > 0
+            and cal.one_gpu_idle_ratio is not None):
+        return cal.one_gpu_idle_ratio
+    return inputs.idle_ratio
+
+
 def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispatch_dtype: str = "bf16",
             scenario: str = "central") -> StepPrediction:
     """A step on the busiest pipeline rank, per microbatch split into forward f, input gradient
@@ -757,7 +769,7 @@ def predict(backend: str, w: Workload, cluster: Cluster, cal: Calibration, dispa
     terms["fsdp exposed"] = fsdp_exposed_ms
     # launch gaps and host work scale with the kernels the GPU runs, not with its waits on links,
     # other ranks or the bubble (the host synchronisations are priced in the transfers)
-    terms["idle"] = sum(v for k, v in terms.items() if k not in WAITING_TERMS) * inputs.idle_ratio
+    terms["idle"] = sum(v for k, v in terms.items() if k not in WAITING_TERMS) * idle_ratio(w, cal, inputs, scenario)
     step_ms = sum(terms.values())
     tokens = w.local_batch * w.seq_len / (lay.cp * lay.tp * lay.pp)
     tps = tokens / (step_ms * 1e-3)
