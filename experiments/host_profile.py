@@ -5,8 +5,12 @@
         --steps 16 --sync-steps 9 10 --profile-steps 12 13 [-- TorchTitan overrides for every run]
 
 A run is LABEL=BACKEND[,NAME=VALUE...] (or just BACKEND): NAME=VALUE pairs are environment
-variables of that run, or TorchTitan overrides when NAME starts with "--"
-(`nvshmem-prefetch=nvshmem,--training.dataloader.num_workers=1`). Each run is one
+variables of that run, or overrides of the recipe when NAME starts with "--"
+(`nvshmem-prefetch=nvshmem,--training.dataloader.num_workers=1`); a true/false field also
+takes its flag alone (`nvshmem-compiled=nvshmem,--compile.enable`). Every run's overrides are
+read as `python -m moe_comm train` reads them (moe_comm.recipe) before the first run starts, so a
+bad one stops the command naming it, and the trainer gets them spelled as TorchTitan parses them
+(`--moe_comm.cuda_graphs=false` reaches it as `--moe_comm.no-cuda_graphs`). Each run is one
 `torchrun --standalone --nproc_per_node 1` of this file as TorchTitan's trainer (as
 `-m torchtitan.train` would run it, `[metrics] log_freq` 1, no W&B), which records:
 
@@ -458,13 +462,27 @@ def parse_run(text: str) -> RunSpec:
     spec = RunSpec(label, backend)
     for pair in pairs:
         name, eq, value = pair.partition("=")
-        if not eq or not name:
-            raise SystemExit(f"--runs {text!r}: write LABEL=BACKEND,NAME=VALUE,... ({pair!r} has no NAME=VALUE)")
         if name.startswith("--"):
-            spec.overrides += [name, value]
-        else:
+            spec.overrides += [name, value] if eq else [name]  # a true/false field's flag alone
+        elif eq and name:
             spec.env[name] = value
+        else:
+            raise SystemExit(f"--runs {text!r}: write LABEL=BACKEND,NAME=VALUE,... ({pair!r} has no NAME=VALUE)")
     return spec
+
+
+def checked(recipe_path: str, spec: RunSpec, common: list[str]) -> RunSpec:
+    """The run with its overrides (its own, then those for every run) read by the recipe loader
+    `python -m moe_comm train` uses, and spelled as TorchTitan parses them; a bad one exits naming
+    the run and the field, before any run starts."""
+    from moe_comm import recipe
+
+    words = ["--moe_comm.backend", spec.backend, *spec.overrides, *common]
+    try:
+        r = recipe.load(recipe_path, words, check_paths=False, allow_blockers=True)
+    except recipe.RecipeError as e:
+        raise SystemExit(f"--runs {spec.label}: {e}") from None
+    return RunSpec(spec.label, spec.backend, spec.env, r.overrides)
 
 
 def _median(values: list[float]) -> float | None:
@@ -514,9 +532,9 @@ def run_one(args: argparse.Namespace, spec: RunSpec) -> dict[str, Any]:
     env = {**os.environ, **DEVICE_ENV, **spec.env, WORKER_ENV: json.dumps(settings), "HF_DATASETS_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-           str(Path(__file__).resolve()), "--job.config_file", args.recipe, "--moe_comm.backend", spec.backend,
+           str(Path(__file__).resolve()), "--job.config_file", args.recipe,
            "--training.steps", str(args.steps), "--metrics.log_freq", "1", "--metrics.no-enable-wandb",
-           "--job.dump_folder", str(folder), *spec.overrides, *args.overrides]
+           "--job.dump_folder", str(folder), *spec.overrides]
     print(f"[host_profile] {spec.label}: {shlex.join(cmd)}", flush=True)
     start = time.monotonic()
     with open(folder / "train.log", "w") as log:
@@ -605,10 +623,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    specs = [checked(args.recipe, parse_run(text), args.overrides) for text in args.runs]
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for text in args.runs:
-        results.append(run_one(args, parse_run(text)))
+    for spec in specs:
+        results.append(run_one(args, spec))
         (args.out / "host_profile.json").write_text(json.dumps(
             {"recipe": args.recipe, "argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M"), "runs": results},
             indent=1))

@@ -92,6 +92,21 @@ def test_runs_name_their_environment_and_overrides():
     assert host_profile.parse_run("nccl").backend == "nccl"
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         host_profile.parse_run("x=nvshmem,oops")
+    assert host_profile.parse_run("c=nccl,--compile.enable").overrides == ["--compile.enable"]
+
+
+def test_runs_reach_the_trainer_spelled_as_torchtitan_parses_them():
+    """TorchTitan's parser takes a true/false field as a flag only (`--moe_comm.cuda_graphs false`
+    stops the run); the recipe loader reads each run's overrides, then the ones for every run,
+    before any run starts, and a bad one names the run and the field."""
+    recipe = "recipes/deepseek_v3_671b_h200x1.toml"
+    spec = host_profile.checked(recipe, host_profile.parse_run(
+        "n=nvshmem,--moe_comm.cuda_graphs=false,--compile.enable,--training.dataloader.num_workers=1"),
+        ["--metrics.log_freq", "5"])
+    assert spec.overrides == ["--moe_comm.backend", "nvshmem", "--moe_comm.no-cuda_graphs", "--compile.enable",
+                              "--training.dataloader.num_workers", "1", "--metrics.log_freq", "5"]
+    with pytest.raises(SystemExit, match=r"--runs bad: override --moe_comm\.cuda_graph: .*cuda_graphs"):
+        host_profile.checked(recipe, host_profile.parse_run("bad=nvshmem,--moe_comm.cuda_graph=false"), [])
 
 
 def test_the_threads_are_read_over_quiet_steps():

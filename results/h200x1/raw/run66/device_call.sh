@@ -8,7 +8,7 @@
 # About 3 minutes. Afterwards, on the CPU machine: copy layer_bench.json over
 # results/model_inputs/layer_bench_h200x1.json, append the command to its MANIFEST.json entry, and
 # regenerate the recipes' PREDICTED lines and results/scale_model.md (experiments/scale_model.py).
-source experiments/device_prelude.sh s21call3
+source experiments/device_prelude.sh run66
 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_experts_gpu.py > $o/fp8_experts_gpu.log 2>&1
 rc=$?; stamp "fp8 experts gpu exit $rc"; grep -E "passed|failed|Error" $o/fp8_experts_gpu.log | tail -4
 if [ $rc -ne 0 ]; then pack; exit 1; fi
