@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
-from fp8_row_kernels import counts_of, rows_tensor, timed  # noqa: E402
+from fp8_row_kernels import add_layer_args, counts_of, cuda_with_kernels, rows_tensor, timed  # noqa: E402
 
 from moe_comm import fp8_experts  # noqa: E402
 from moe_comm.fp8_experts import Fp8Rows  # noqa: E402
@@ -87,19 +87,11 @@ def experts_step(rows: Fp8Rows, counts_L: torch.Tensor, dy: torch.Tensor, weight
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=65536)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--dim", type=int, default=7168)
-    p.add_argument("--inter", type=int, default=2048)
+    add_layer_args(p)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("fp8_overlap_probe: needs a CUDA GPU")
-    from moe_comm.kernels.runtime import load_library
-
-    load_library()
-    dev = torch.device("cuda")
+    dev = cuda_with_kernels("fp8_overlap_probe")
     L, D, I = args.experts, args.dim, args.inter
     counts, padded = counts_of(args.rows, L, fp8_experts.ROW_ALIGN, 0)
     offsets = torch.tensor(padded, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)

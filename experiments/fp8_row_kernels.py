@@ -91,12 +91,27 @@ def float32_wgrad_probe(device) -> str:
         return f"refused: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_layer_args(p: argparse.ArgumentParser) -> None:
+    """The layer's shape, one MoE layer of the one-GPU recipe by default (module doc)."""
     p.add_argument("--rows", type=int, default=65536, help="routed rows of the layer (tokens x top-k)")
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--dim", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
+
+
+def cuda_with_kernels(script: str) -> torch.device:
+    """The GPU, with this project's kernels loaded; a clear exit where there is none."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA GPU")
+    from moe_comm.kernels.runtime import load_library
+
+    load_library()
+    return torch.device("cuda")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_layer_args(p)
     p.add_argument("--align", type=int, default=fp8_experts.ROW_ALIGN)
     p.add_argument("--pad", choices=("zero", "random"), default="zero",
                    help="the padding rows: zeros as dispatch writes them, or random (module doc)")
@@ -106,12 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="kernel names to run (default: all)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("fp8_row_kernels: needs a CUDA GPU")
-    from moe_comm.kernels.runtime import load_library
-
-    load_library()
-    dev = torch.device("cuda")
+    dev = cuda_with_kernels("fp8_row_kernels")
     L, D, I = args.experts, args.dim, args.inter
     counts, padded = counts_of(args.rows, L, args.align, args.seed, args.skew)
     R = sum(padded)

@@ -66,8 +66,6 @@ def launchers_ms(events: list[dict], span_start: float, span_end: float) -> dict
     """The TOP largest kernel times in the span (ms) by "context > op | kernel": the innermost
     annotation or autograd node open around the kernel's launch, the innermost other CPU op, and the
     kernel's name (80 characters). Kernels whose launch is not in the trace count under "?"."""
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     where: dict[int, str] = {}  # correlation -> "context > op"
     by_thread: dict[tuple, list[dict]] = {}
     for e in events:
@@ -80,12 +78,13 @@ def launchers_ms(events: list[dict], span_start: float, span_end: float) -> dict
             while open_ and open_[-1]["ts"] + open_[-1]["dur"] < e["ts"]:
                 open_.pop()
             if e["cat"] in ("cuda_runtime", "cuda_driver"):
-                if e.get("args", {}).get("correlation") in launches:
+                correlation = e.get("args", {}).get("correlation")
+                if correlation is not None:  # a launch: the kernel it queued has the same id
                     context = next((o["name"] for o in reversed(open_) if o["cat"] == "user_annotation"
                                     or o["name"].startswith(AUTOGRAD_NODE)), "-")
                     op = next((o["name"] for o in reversed(open_) if o["cat"] == "cpu_op"
                                and not o["name"].startswith(AUTOGRAD_NODE)), "-")
-                    where[e["args"]["correlation"]] = f"{context} > {op}"
+                    where[correlation] = f"{context} > {op}"
                 continue
             open_.append(e)
     times: dict[str, float] = {}

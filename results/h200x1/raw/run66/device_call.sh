@@ -4,7 +4,8 @@
 # (the work beside the grouped GEMMs in the backward, dispatch's backward without zero-filled
 # gradients, group_columns in chunks, and run 64's row kernels if merged), so that the flagship's
 # and the MXFP8 recipe's predictions are regenerated from them (issue 35, "Done when"). As run 39:
-# the file's flagship experts.moe_comm_fp8* parts removed first, bf16's beside them in the same run.
+# the file's flagship experts.moe_comm_fp8* parts removed first, bf16's beside them in the same run
+# (the prelude's fp8_experts_bench).
 # About 3 minutes. Afterwards, on the CPU machine: copy layer_bench.json over
 # results/model_inputs/layer_bench_h200x1.json, append the command to its MANIFEST.json entry, and
 # regenerate the recipes' PREDICTED lines and results/scale_model.md (experiments/scale_model.py).
@@ -12,23 +13,5 @@ source experiments/device_prelude.sh run66
 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8_experts_gpu.py > $o/fp8_experts_gpu.log 2>&1
 rc=$?; stamp "fp8 experts gpu exit $rc"; grep -E "passed|failed|Error" $o/fp8_experts_gpu.log | tail -4
 if [ $rc -ne 0 ]; then pack; exit 1; fi
-python3 - $o/layer_bench.json <<'PY'
-import json, sys
-doc = json.load(open("results/model_inputs/layer_bench_h200x1.json"))
-redo = ("experts.bf16.balanced", "experts.bf16.node_limited", "experts.moe_comm_fp8")
-doc["parts"] = [p for p in doc["parts"] if not (p["case"] == "flagship" and p["name"].startswith(redo))]
-json.dump(doc, open(sys.argv[1], "w"), indent=1)
-PY
-timeout 200 python3 experiments/layer_bench.py run --resume --out $o/layer_bench.json --cases flagship \
-  --parts experts.bf16.balanced experts.bf16.node_limited experts.moe_comm_fp8 --budget-s 180 --iters 64 --warmup 32 \
-  > $o/layer_bench.log 2>&1
-stamp "layer bench exit $?"
-python3 experiments/layer_bench.py report $o/layer_bench.json > $o/layer_bench.md 2>&1
-grep -E "FP8 experts \(FP8 wgrad|bf16 grouped" $o/layer_bench.md
-python3 - $o/layer_bench.json <<'PY'
-import json, sys
-for p in json.load(open(sys.argv[1]))["parts"]:
-    if p["case"] == "flagship" and p["name"] in ("experts.moe_comm_fp8.balanced", "experts.moe_comm_fp8.node_limited"):
-        print(p["name"], {k: round(v, 3) for k, v in p["breakdown"]["steps_ms"].items()})
-PY
+fp8_experts_bench $o/layer_bench.json
 pack
