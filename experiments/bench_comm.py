@@ -197,11 +197,10 @@ def time_backend(backend, x, idx, w, is_symm):
     return d, c
 
 
-# The nvshmem backend's kernels: communication (the recipe's SM budget, the links) and the local
-# ones (plan, staging and the expert-major layout: whole GPU, no link). Told apart, the transport
-# compares like for like with DeepEP, whose dispatch/combine move token-major rows and leave the
-# permute to the caller.
-COMM_KERNELS = ("dispatch_kernel", "combine_kernel")
+# The nvshmem backend's local kernels (plan, staging and the expert-major layout: whole GPU, no
+# link), told apart from its communication (dispatch_kernel and combine_kernel: the recipe's SM
+# budget, the links), so that the transport compares like for like with DeepEP, whose
+# dispatch/combine move token-major rows and leave the permute to the caller.
 LOCAL_KERNELS = {
     "dispatch": ("plan_count_kernel", "scan_kernel", "plan_assign_kernel", "pack_kernel", "receive_count_kernel",
                  "expand_kernel"),

@@ -7,7 +7,8 @@
 # - csrc/ built for SM 9.0 into /tmp/b (MOE_COMM_LIBRARY points there), its log in $o/build.log;
 # - $o (/tmp/o, empty) for what the call writes, `stamp MSG` (seconds since the start, named
 #   NAME), and `pack` (a tarball of $o into $OUT/NAME.tgz, which the device tool brings back;
-#   large traces and checkpoints left out); `train NAME [overrides...]` and `fp8_experts_bench OUT` (below).
+#   large traces and checkpoints left out); `train NAME [overrides...]`, `bench_again OUT PART...` and
+#   `fp8_experts_bench OUT` (below).
 # Earlier calls' scripts (runs 46-54) carry these lines themselves, as they ran.
 name=${1:?usage: source experiments/device_prelude.sh NAME}
 set -uo pipefail
@@ -35,24 +36,32 @@ train() {
     --metrics.no-enable-wandb --job.dump_folder "$o/runs/$name" "$@" > "$o/train_$name.log" 2>&1)
   stamp "$name exit $?"; grep -E "done|FAILED|Error" "$o/train_$name.log" | cut -c1-200 | tail -2
 }
-# `fp8_experts_bench OUT`: the layer bench's bf16 and FP8 experts parts at the flagship rank's rows
-# into OUT, a copy of results/model_inputs/layer_bench_h200x1.json less the parts it measures again
-# (--resume keeps the rest); its log and report beside OUT (.log, .md), the FP8 parts' lines and
-# step breakdown printed. Runs 29-39 wrote these steps inline.
-fp8_experts_bench() {
-  local out=$1
-  python3 - "$out" <<'PY'
+# `bench_again OUT PART...`: the layer bench's flagship parts named (name prefixes) measured again
+# into OUT: a copy of OUT where it exists (an earlier bench_again of this call), else of
+# results/model_inputs/layer_bench_h200x1.json, less those parts (--resume keeps the rest); its log
+# appended beside OUT (.log) and its report rewritten (.md).
+bench_again() {
+  local out=$1; shift
+  local from=results/model_inputs/layer_bench_h200x1.json
+  [ -f "$out" ] && from=$out
+  python3 - "$from" "$out" "$@" <<'PY'
 import json, sys
-doc = json.load(open("results/model_inputs/layer_bench_h200x1.json"))
-redo = ("experts.bf16.balanced", "experts.bf16.node_limited", "experts.moe_comm_fp8")
+doc = json.load(open(sys.argv[1]))
+redo = tuple(sys.argv[3:])
 doc["parts"] = [p for p in doc["parts"] if not (p["case"] == "flagship" and p["name"].startswith(redo))]
-json.dump(doc, open(sys.argv[1], "w"), indent=1)
+json.dump(doc, open(sys.argv[2], "w"), indent=1)
 PY
   timeout 200 python3 experiments/layer_bench.py run --resume --out "$out" --cases flagship \
-    --parts experts.bf16.balanced experts.bf16.node_limited experts.moe_comm_fp8 --budget-s 180 --iters 64 --warmup 32 \
-    > "${out%.json}.log" 2>&1
-  stamp "layer bench $out exit $?"
+    --parts "$@" --budget-s 180 --iters 64 --warmup 32 >> "${out%.json}.log" 2>&1
+  stamp "layer bench $* exit $?"
   python3 experiments/layer_bench.py report "$out" > "${out%.json}.md" 2>&1
+}
+# `fp8_experts_bench OUT`: the layer bench's bf16 and FP8 experts parts at the flagship rank's rows
+# again (bench_again), the FP8 parts' lines and step breakdown printed. Runs 29-39 wrote these
+# steps inline.
+fp8_experts_bench() {
+  local out=$1
+  bench_again "$out" experts.bf16.balanced experts.bf16.node_limited experts.moe_comm_fp8
   grep -E "FP8 experts \(FP8 wgrad" "${out%.json}.md"
   python3 - "$out" <<'PY'
 import json, sys

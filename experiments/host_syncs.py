@@ -85,7 +85,6 @@ CASES = {
     "nccl_ep2_cpu": CaseSpec("nccl", 2, "cpu", "EP 2 on CPU, gloo (census only)"),
     "nccl_ep1_cpu": CaseSpec("nccl", 1, "cpu", "EP 1 on CPU (census only)"),
 }
-GPU_CASES = [n for n, c in CASES.items() if c.device == "cuda"]
 SHAPE = {"tokens": 4096, "hidden": 7168, "experts": 256, "top_k": 8, "routing": "node_limited"}
 
 

@@ -35,7 +35,8 @@ apply_compile compiles it, and through this project's FP8 experts (`[moe_comm] e
 with bf16 wgrad; each step of their forward and backward timed too, in "breakdown"; on CPU the
 GEMMs are emulated, so only the wiring is exercised there); ExpertParallel's receive-side `_permute` / `_unpermute`; RMSNorm,
 rope, SiLU-mul, residual adds; the embedding and the output projection + loss (first and last
-pipeline stage). Two composites at TP 1: TorchTitan's `MoE` forward and the whole MoE
+pipeline stage; the loss eager and as TorchTitan compiles it with [compile] components "loss").
+Two composites at TP 1: TorchTitan's `MoE` forward and the whole MoE
 `TransformerBlock`, each with the all-to-all replaced by an identity (the rank's own T x K
 routed rows stand in for the rows it receives; their counts are read in ExpertParallel's
 [source rank, local expert] layout), so their time is the layer's local work of TorchTitan's
@@ -84,7 +85,7 @@ ANCHOR_ID = "anchor/nebius_671b_256xb200/standard"
 VALIDATION = "results/model_inputs/scale_model_validation.json"
 # Priorities: eager parts first, then what needs a compile, the least needed last; the budget
 # stops only compile-bearing parts (priority >= COMPILE_PRIORITY).
-P_CEILING, P_EAGER, P_FLEX_FLAGSHIP, P_COMPOSITE, P_FLEX_OTHER, P_COMPILED_EXPERTS = range(6)
+P_CEILING, P_EAGER, P_FLEX_FLAGSHIP, P_COMPOSITE, P_FLEX_OTHER, P_COMPILED = range(6)
 COMPILE_PRIORITY = P_FLEX_FLAGSHIP
 DOC_TOKENS = 512  # the block-causal sensitivity point: documents of this many tokens (an assumption)
 # Document-length distributions the block-causal kernels are measured at (moe_comm.predict.documents):
@@ -672,7 +673,7 @@ def build_parts(case: Case, device: torch.device, state: dict) -> list[Part]:
                     return _experts(a, case, rows[routing], dtype, compiled, device)
 
                 add(f"experts.{dtype}{'.compiled' if compiled else ''}.{routing}", "compute", experts, dtype=dtype,
-                    priority=P_COMPILED_EXPERTS if compiled else P_EAGER,
+                    priority=P_COMPILED if compiled else P_EAGER,
                     requires=("cuda", "fp8") if dtype == "fp8" else (),
                     count_per_layer=1 if (dtype, compiled, routing) == ("bf16", False, case.routing) else 0)
 
@@ -740,9 +741,13 @@ def build_parts(case: Case, device: torch.device, state: dict) -> list[Part]:
 
     add("embedding", "memory", embedding, count_per_layer=0)
 
-    def output_loss():
-        from torchtitan.components.loss import cross_entropy_loss
+    def output_loss(loss_compiled: bool = False):
+        from torchtitan.components.loss import build_cross_entropy_loss
+        from torchtitan.config import JobConfig
 
+        jc = JobConfig()  # the loss as the trainer builds it: eager, or [compile] components "loss"
+        jc.compile.enable, jc.compile.components = loss_compiled, ["loss"]
+        loss_fn = build_cross_entropy_loss(jc)
         with torch.device(device):
             norm = _bf16_params(nn.RMSNorm(D))
             out = nn.Linear(D, a.vocab_size // case.tp, bias=False)
@@ -750,12 +755,17 @@ def build_parts(case: Case, device: torch.device, state: dict) -> list[Part]:
             nn.init.trunc_normal_(out.weight, std=D**-0.5)
         _bf16_params(out)
         labels = torch.randint(0, a.vocab_size // case.tp, (B, S), device=device)
-        return Built(lambda h: cross_entropy_loss(out(norm(h)), labels), (_randn((B, S, D), device),),
+        what = "compiled by torch.compile ([compile] components \"loss\")" if loss_compiled else "eager"
+        return Built(lambda h: loss_fn(out(norm(h)), labels), (_randn((B, S, D), device),),
                      [*norm.parameters(), *out.parameters()], 2 * T * D * a.vocab_size // case.tp,
                      {"tokens": T, "vocab_per_rank": a.vocab_size // case.tp},
-                     "last stage only: final norm, output projection, fp32 cross-entropy (TorchTitan's loss)")
+                     f"last stage only: final norm, output projection, fp32 cross-entropy (TorchTitan's loss, {what})")
 
     add("output_loss", "compute", output_loss, count_per_layer=0)
+    # the same with TorchTitan's compiled loss: inductor fuses the fp32 upcast of the logits, the
+    # log-softmax and their backward (eager: 4 + 4 bytes a logit written forward, more backward)
+    add("output_loss.loss_compiled", "compute", lambda: output_loss(loss_compiled=True),
+        priority=P_COMPILED, count_per_layer=0)
     return parts
 
 
@@ -1102,6 +1112,8 @@ def _expected_s(part: Part, state: dict) -> float:
         return 30.0 if new_shape else 5.0
     if ".compiled." in part.name:
         return state.get("experts_compile_s", 60.0)
+    if part.name == "output_loss.loss_compiled":  # the loss's forward and backward graphs
+        return 30.0
     return 10.0
 
 

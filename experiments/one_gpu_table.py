@@ -13,36 +13,38 @@ import statistics
 import sys
 from pathlib import Path
 
+from moe_comm.metrics import keys
+
 SKIP_FIRST = 10
 PROFILED = {150, 300}
-PHASES = ("dispatch_fwd_ms", "dispatch_bwd_ms", "combine_fwd_ms", "combine_bwd_ms")
+PHASES = (keys.DISPATCH_FWD_MS, keys.DISPATCH_BWD_MS, keys.COMBINE_FWD_MS, keys.COMBINE_BWD_MS)
 
 
 def run_row(folder: Path) -> dict:
-    recs = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    recs = [json.loads(line) for line in (folder / keys.JSONL_NAME).read_text().splitlines() if line.strip()]
     steady = [r for r in recs if r["step"] > SKIP_FIRST and r["step"] not in PROFILED]
     med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
-    row = {"run": folder.name, "backend": recs[0]["backend"], "dispatch_dtype": recs[0]["backend_options"].get(
+    row = {"run": folder.name, "backend": recs[0][keys.BACKEND], "dispatch_dtype": recs[0][keys.BACKEND_OPTIONS].get(
         "dispatch_dtype"), "steps": recs[-1]["step"], "steps_in_medians": len(steady),
-        "tok_s": med("throughput(tps)"), "mfu_pct": med("mfu(%)"),
-        "mem_active_gib": max(r["memory/max_active(GiB)"] for r in recs),
-        "mem_reserved_gib": max(r["memory/max_reserved(GiB)"] for r in recs),
-        "step_s": med("time_metrics/end_to_end(s)")}
+        "tok_s": med(keys.TPS), "mfu_pct": med(keys.MFU),
+        "mem_active_gib": max(r[keys.MEM_ACTIVE] for r in recs),
+        "mem_reserved_gib": max(r[keys.MEM_RESERVED] for r in recs),
+        "step_s": med(keys.STEP_TIME_TT), "final_loss": recs[-1][keys.LOSS]}
     for p in PHASES:
-        row[p] = med("moe_comm/" + p)
-    row["local_work_ms"] = sum(row[p] for p in PHASES)
+        row[p.removeprefix(keys.PREFIX)] = med(p)
+    row["local_work_ms"] = sum(row[p.removeprefix(keys.PREFIX)] for p in PHASES)
     return row
 
 
 def main() -> int:
     root = Path(sys.argv[1])
     rows = [run_row(f) for f in sorted((root / "runs").iterdir()) if (f / "metrics.jsonl").is_file()]
-    print("| run | backend | tok/s | MFU | step s | max active GiB | max reserved GiB | dispatch fwd+bwd ms | "
-          "combine fwd+bwd ms | MoE local work ms/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | backend | tok/s | MFU | step s | final loss | max active GiB | max reserved GiB | "
+          "dispatch fwd+bwd ms | combine fwd+bwd ms | MoE local work ms/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['run']} | {r['backend']} {r['dispatch_dtype']} | {r['tok_s']:,.0f} | {r['mfu_pct']:.1f}% | "
-              f"{r['step_s']:.3f} | {r['mem_active_gib']:.1f} | {r['mem_reserved_gib']:.1f} | "
+              f"{r['step_s']:.3f} | {r['final_loss']:.4f} | {r['mem_active_gib']:.1f} | {r['mem_reserved_gib']:.1f} | "
               f"{r['dispatch_fwd_ms']:.2f} + {r['dispatch_bwd_ms']:.2f} | {r['combine_fwd_ms']:.2f} + "
               f"{r['combine_bwd_ms']:.2f} | {r['local_work_ms']:.2f} |")
     out = {"rows": rows, "profiles": {}}

@@ -17,7 +17,8 @@ NAMES = ["rmsnorm", "residual_add", "router", "embedding", "shared_expert", "den
          "attention.module.varlen", "attention.core.varlen",
          *[f"attention.core.{k}.{d}" for k in ("flex", "varlen") for d in DOCS],
          *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled", "moe_comm_fp8", "moe_comm_fp8_bf16_wgrad")
-           for r in ("balanced", "node_limited")]]
+           for r in ("balanced", "node_limited")],
+         "output_loss.loss_compiled"]
 # made-up (fwd ms, bwd ms, recompute ms) per part: distinct so a wrong pick shows
 TIMES = {n: (1.0 + i, 2.0 * (1.0 + i), 1.5 + i) for i, n in enumerate(NAMES)}
 for impl in ("flex", "sdpa", "varlen"):  # the module holds its kernel: 5 ms more forward, 9 backward, 4 recompute

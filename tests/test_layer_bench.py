@@ -30,7 +30,8 @@ DOCS = ["", f".docs{lb.DOC_TOKENS}", ".c4_en", ".nltk_en"]  # one document, fixe
 COMMON = ["rmsnorm", "residual_add", "rope", "silu_mul.experts", "attention.module.sdpa", "attention.core.sdpa",
           "attention.module.flex", "attention.module.varlen",
           *[f"attention.core.{k}{d}" for k in ("flex", "varlen") for d in DOCS], "router",
-          "reorderer", "shared_expert", "dense_ffn", "recv_permute", "embedding", "output_loss",
+          "reorderer", "shared_expert", "dense_ffn", "recv_permute", "embedding",
+          "output_loss", "output_loss.loss_compiled",
           *[f"experts.{d}.{r}" for d in ("bf16", "fp8", "fp8.compiled", "moe_comm_fp8", "moe_comm_fp8_bf16_wgrad",
                                           "moe_comm_fp8_cached")
             for r in ("balanced", "node_limited")]]

@@ -243,7 +243,8 @@ def test_the_recorded_bench_prices_the_flagship_from_measured_parts():
     """results/model_inputs/layer_bench_h200x1.json as recorded on the device: every part the
     flagship's pricing looks for ran at its case - FlexAttention and variable-length attention at
     c4's documents, this project's FP8 experts - so its prediction needs no stand-in; the MXFP8
-    recipe's grouped GEMM is the stated rule."""
+    recipe's grouped GEMM is the stated rule, and its compiled loss takes the eager loss's time,
+    said, until the device measures output_loss.loss_compiled (prepared: results/h200x1/raw/run66)."""
     from moe_comm import recipe
 
     bench = layer_compute.load()
@@ -252,7 +253,8 @@ def test_the_recorded_bench_prices_the_flagship_from_measured_parts():
         assert bench.part("flagship", part), part
     cal = calibration.calibrate()
     for path, says, never in (("recipes/deepseek_v3_671b_b200.toml", (), ("not measured", "MXFP8")),
-                              ("recipes/deepseek_v3_671b_b200_mxfp8.toml", ("not measured there: B200 runs MXFP8",),
+                              ("recipes/deepseek_v3_671b_b200_mxfp8.toml",
+                               (layer_compute.LOSS_COMPILED_NOTE.format(case="flagship"), "; B200 runs MXFP8"),
                                ("flex", "varlen", "float8 grouped GEMM", "FP8 experts (experts.moe_comm_fp8) not"))):
         r = recipe.load(path, [], device="cuda", check_paths=False)
         w = scale_model.workload_from_recipe(r)
@@ -342,3 +344,34 @@ def test_fp8_experts_on_hopper_are_their_measured_part(bench):
     rows arrive in e4m3: nothing to add)."""
     c = _rank(bench, _workload(expert_dtype="fp8"))
     assert c.parts["experts"] == pytest.approx(5 * _f("experts.moe_comm_fp8.node_limited"))
+
+
+def test_a_compiled_loss_is_its_measured_part(bench, tmp_path):
+    """[compile] components "loss": the last stage's output + loss is the bench's part with
+    TorchTitan's compiled loss; where that part did not run, the eager one stands in, said."""
+    last = dict(layers=tuple(range(53, 61)), embedding=False, output=True)
+    compiled = _rank(bench, _workload(loss_compiled=True), **last)
+    assert compiled.parts["output_loss"] == pytest.approx(_f("output_loss.loss_compiled"))
+    assert _rank(bench, _workload(), **last).parts["output_loss"] == pytest.approx(_f("output_loss"))
+    assert not any("loss" in n for n in compiled.notes)
+    lacking = write_bench(tmp_path / "lb.json", skip=("output_loss.loss_compiled",))
+    eager = _rank(lacking, _workload(loss_compiled=True), **last)
+    assert eager.parts["output_loss"] == pytest.approx(_f("output_loss"))
+    assert layer_compute.LOSS_COMPILED_NOTE.format(case="flagship") in eager.notes
+    stand_in = [a for a in layer_compute.assumptions(lacking) if a.name.startswith("a loss compiled")]
+    assert len(stand_in) == 1 and "output_loss.loss_compiled (flagship)" in stand_in[0].source
+    assert not any(a.name.startswith("a loss compiled") for a in layer_compute.assumptions(bench))
+
+
+def test_a_recipe_compiles_its_loss_where_its_compile_names_the_loss():
+    from moe_comm import recipe
+
+    def compiles_loss(path, overrides=()):
+        r = recipe.load(path, list(overrides), device="cuda", check_paths=False)
+        return scale_model.workload_from_recipe(r).loss_compiled
+
+    assert compiles_loss("recipes/deepseek_v3_671b_b200_mxfp8.toml")  # [compile] enable, model and loss
+    one = "recipes/deepseek_v3_671b_h200x1.toml"
+    assert not compiles_loss(one)  # [compile] enable = false
+    assert compiles_loss(one, ["--compile.enable", "--compile.components", "loss"])
+    assert not compiles_loss(one, ["--compile.enable", "--compile.components", "model"])

@@ -10,7 +10,13 @@ import math
 import pytest
 import torch
 
-from moe_comm.metrics.peaks import mfu_percent, resolve_peak
+from moe_comm.metrics.peaks import resolve_peak
+
+
+def mfu_percent(flops_per_token: float, tokens_per_s_per_gpu: float, peak_tflops: float) -> float:
+    """TorchTitan's MFU (MetricsProcessor.log): 100 * flops/token * tokens/s / the peak the processor
+    is given (Peak.flops); NaN when the peak is unknown."""
+    return 100.0 * flops_per_token * tokens_per_s_per_gpu / (peak_tflops * 1e12)
 
 
 def titan_flops_per_token(flavor: str, seq_len: int) -> int:

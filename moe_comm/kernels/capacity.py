@@ -24,7 +24,6 @@ from moe_comm.kernels.limits import LIMITS
 # (sizeof(RecvMeta)).
 NET_META_BYTES = 128
 RECV_META_BYTES = 80
-CHUNK_SLOTS = 8  # csrc/common/wire.h kChunkSlots
 
 
 def hit_probability(num_experts: int, top_k: int, experts_there: int) -> float:

@@ -88,7 +88,6 @@ class RuntimeRequest:
 @dataclass(frozen=True)
 class NodeLayout:
     hosts: int  # distinct hosts the EP group spans
-    ranks_per_host: int
     ranks_per_node: int  # as the kernels see it (virtual nodes included)
 
 
@@ -114,7 +113,7 @@ def node_layout(group: dist.ProcessGroup, virtual_node_size: int) -> NodeLayout:
             f"{per_node} ranks per node: the nvshmem kernels serve up to {LIMITS.max_ranks_per_node} "
             "(one NVLink domain of a B200/H200 node); set [moe_comm] virtual_node_size"
         )
-    return NodeLayout(hosts=len(blocks), ranks_per_host=per_host, ranks_per_node=per_node)
+    return NodeLayout(hosts=len(blocks), ranks_per_node=per_node)
 
 
 class NvshmemRuntime:

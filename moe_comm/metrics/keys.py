@@ -59,6 +59,3 @@ SENDS_PER = "sends_once_per"  # "expert" (all-to-all) or "rank" (dedup); how byt
 # Only on runs whose comm ran over an emulated network link (moe_comm.kernels.emulated_link): its
 # per-call times and setting. Such a run's comm times are the emulation's, not a network's.
 EMULATED_LINK = "emulated_link"
-
-# The per-step numbers a backend comparison is made of (report table, dashboard panels).
-COMPARISON = (TPS, MFU, TFLOPS, COMM_EXPOSED_PCT, DISPATCH_MS, COMBINE_MS, STEP_MS, MEM_RESERVED)

@@ -102,8 +102,3 @@ def resolve_peak(device_name: str, converters: list[str], override_tflops: float
         bf16_tflops=bf16,
         warning=warning,
     )
-
-
-def mfu_percent(flops_per_token: float, tokens_per_s_per_gpu: float, peak_tflops: float) -> float:
-    """100 * achieved FLOPS / peak FLOPS; NaN when the peak is unknown."""
-    return 100.0 * flops_per_token * tokens_per_s_per_gpu / (peak_tflops * 1e12)

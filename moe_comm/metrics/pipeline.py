@@ -69,10 +69,6 @@ class PipelineStages:
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
-    @property
-    def has_loss(self) -> bool:
-        return self.rank == self.loss_rank
-
     def _all_gather(self, values: list[float]) -> list[list[float]]:
         """`values` of every pipeline rank of this rank's pipeline group, by pipeline rank."""
         mine_X = torch.tensor(values, dtype=torch.float64, device=self.device)

@@ -120,6 +120,9 @@ FP8_EXPERTS_NOTE = ("FP8 experts (experts.moe_comm_fp8) not measured at case {ca
                     "fp8 rowwise GEMM ceiling ratio")
 FLEX_NOTE = "attention kernel: {impl} not measured at case {case!r}: SDPA's time stands in, at the same shape"
 DOCS_NOTE = ("attention kernel: {impl} at {dist} not measured at case {case!r}: {used} scaled by kept pairs x heads")
+LOSS_COMPILED = "output_loss.loss_compiled"  # the bench's output + loss with TorchTitan's compiled loss
+LOSS_COMPILED_NOTE = ("loss: compiled ([compile] components \"loss\") but output_loss.loss_compiled not measured at "
+                      "case {case!r}: the eager loss's time stands in")
 
 
 @dataclass(frozen=True)
@@ -311,15 +314,15 @@ def rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: boo
     """Compute of one microbatch on the pipeline rank holding `layers` (and the embedding or the
     output projection + loss) of workload `w` (moe_comm.predict.scale_model.Workload: args, layout,
     seq_len, microbatch / local_batch, ac_mode, converters, routing, documents, expert_dtype,
-    ranks_per_node) on `gpu`. `peak_share` scales every part priced on another GPU than the
+    ranks_per_node, loss_compiled) on `gpu`. `peak_share` scales every part priced on another GPU than the
     bench's (its share of peak over the measured one's); `imbalance` is the busiest rank's routed
     rows over the mean rank's (None: the drawn routing's own busiest rank). Computed once per bench
     and question (a plan asks the same for every backend and overlap): the answer is shared, so
     callers read it and never change it."""
     # the memo holds w.args and w.documents, so the ids in the key cannot be reused by other objects
     key = (id(w.args), id(w.documents), tuple(vars(w.layout).values()), w.seq_len, w.microbatch, w.local_batch,
-           w.ac_mode, tuple(w.converters), w.routing, w.expert_dtype, w.ranks_per_node, gpu, tuple(layers),
-           embedding, output, peak_share, imbalance)
+           w.ac_mode, tuple(w.converters), w.routing, w.expert_dtype, w.ranks_per_node, w.loss_compiled, gpu,
+           tuple(layers), embedding, output, peak_share, imbalance)
     if key not in bench.memo:
         bench.memo[key] = ((w.args, w.documents),
                            _rank_ms(bench, w, gpu, layers, embedding, output, peak_share=peak_share, imbalance=imbalance))
@@ -420,6 +423,11 @@ def _rank_ms(bench: LayerBench, w, gpu: str, layers, embedding: bool, output: bo
                     return compiled, name, None
                 note(FP8_GROUPED_NOTE)
             return bench.part(name, f"experts.bf16.{routing}"), name, None
+        if part == "output_loss" and w.loss_compiled:
+            p = bench.part(name, LOSS_COMPILED)
+            if p:
+                return p, name, None
+            note(LOSS_COMPILED_NOTE.format(case=name))
         return bench.part(name, part), name, None
 
     n = len(layers)
@@ -509,7 +517,7 @@ def assumptions(bench: LayerBench) -> list[Assumption]:
     # the parts pricing looks for that the file lacks or did not run (their stand-ins are the rules below)
     wanted = ([f"attention.{k}.flex" for k in ("module", "core")] + ["attention.core.flex.c4_en"]
               + [f"experts.fp8.compiled.{r}" for r in ("balanced", "node_limited")]
-              + [f"experts.{FP8_EXPERTS}.{r}" for r in ("balanced", "node_limited")])
+              + [f"experts.{FP8_EXPERTS}.{r}" for r in ("balanced", "node_limited")] + [LOSS_COMPILED])
     missing = sorted({f"{n} ({c})" for c in bench.cases for n in wanted if not bench.part(c, n)})
     return [
         Assumption("compute per microbatch: TorchTitan's layer parts measured at the layout's per-rank shape",
@@ -533,7 +541,7 @@ def assumptions(bench: LayerBench) -> list[Assumption]:
         MXFP8_ASSUMPTION,
         Assumption("float8 rowwise linear GEMMs"
                    + (", and the float8 grouped GEMM (its compiled part not measured)" if any(
-                       "compiled" in m for m in missing) else "")
+                       m.startswith("experts.fp8.compiled") for m in missing) else "")
                    + ": bf16 time x measured bf16 / fp8 rowwise GEMM ceilings", fp8_gemm_gain(bench), "x",
                    f"{rel} peaks.measured (torch.mm and torch._scaled_mm, 8192^3, same run); the eager float8 "
                    "grouped GEMM there (unfused quantisation, slower than bf16) is not what the compiled recipes run"),
@@ -541,7 +549,12 @@ def assumptions(bench: LayerBench) -> list[Assumption]:
         Assumption("FlexAttention's kernel, where not measured: SDPA's time at the same shape", 1.0, "",
                    f"assumption: {rel} attention.*.flex not run at "
                    + ", ".join(m for m in missing if "flex" in m and "c4_en" not in m)),
-    ] if any("flex" in m and "c4_en" not in m for m in missing) else []) + [
+    ] if any("flex" in m and "c4_en" not in m for m in missing) else []) + ([
+        Assumption("a loss compiled by TorchTitan ([compile] components \"loss\"), where not measured: the eager "
+                   "loss's time (output_loss)", 1.0, "",
+                   f"assumption: {rel} has not run "
+                   + ", ".join(m for m in missing if m.startswith(LOSS_COMPILED))),
+    ] if any(m.startswith(LOSS_COMPILED) for m in missing) else []) + [
         Assumption("selective AC re-runs the grouped GEMMs, the memory-bound ops and every second linear mm", 0.5,
                    "of linear forward", "TorchTitan 0.2.2 op SAC policy (distributed/activation_checkpoint.py; "
                    "deepseek_v3 _op_sac_save_list has no grouped mm)"),

@@ -72,10 +72,6 @@ class RoutingPlan:
         return self.world // self.ranks_per_node
 
     @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.world
-
-    @property
     def nodes_hit_per_token(self) -> float:
         return self.token_node_pairs / max(int(self.tokens_W.sum()), 1)
 

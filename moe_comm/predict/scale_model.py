@@ -153,6 +153,7 @@ class Workload:
     # batch and the batch's data-parallel degree, as TorchTitan divides it)
     accumulation: int = 1
     loader_workers: int = 0  # [training.dataloader] num_workers (the GPU's idle share at world 1)
+    loss_compiled: bool = False  # [compile] enable with "loss" in components: TorchTitan compiles the loss
 
     @property
     def tokens_per_call(self) -> int:
@@ -217,6 +218,7 @@ def workload_from_recipe(r) -> Workload:
         recv_capacity_factor=mc.recv_capacity_factor, cuda_graphs=mc.cuda_graphs,
         accumulation=titan_fields.accumulation_steps(c.training, r.layout.dp_replicate, r.layout.dp_shard),
         loader_workers=c.training.dataloader.num_workers,
+        loss_compiled=c.compile.enable and "loss" in c.compile.components,
     )
 
 
@@ -846,11 +848,6 @@ def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
         w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch, w.pp_schedule, w.layers_per_stage,
         comm_kept_per_layer=comm_kept_per_layer(w, backend), extra_chunks=1 if w.overlap == "microbatch" else 0,
         call_graphs_per_layer=graphs, fp8_weights_per_layer=kept, fp8_forward_weights_per_layer=forward)
-
-
-def predict_all(w: Workload, cluster: Cluster, cal: Calibration) -> dict[str, StepPrediction]:
-    """Every choice's prediction, by its label."""
-    return {c.label: predict(c.backend, w, cluster, cal, c.dispatch_dtype) for c in choices()}
 
 
 def bench_round_trip(backend: str, tokens: int, hidden: int, top_k: int, experts: int, routing: str, world: int,
