@@ -9,7 +9,7 @@
 # kernels alone, main's and this tree's alternated twice; then the one-GPU recipe 100 steps each:
 # nccl bf16, this tree's FP8, nccl, FP8 (about 6 minutes). Merge if the tests pass and the kernels
 # are faster. The SM clock and power are sampled through the first FP8 run.
-source experiments/device_prelude.sh s21call1
+source experiments/device_prelude.sh run64
 old=$PWD/.device/old
 (cd $old && PYTHONPATH=/tmp/site:$old MAX_JOBS=8 python3 -m moe_comm build --arch 90 --out /tmp/b_old > $o/build_old.log 2>&1) &
 build_old=$!
