@@ -36,6 +36,19 @@ def run_row(folder: Path) -> dict:
     return row
 
 
+def pairs(rows: list[dict], base: str = "nccl_bf16", other: str = "nvshmem_fp8") -> list[dict]:
+    """Each `other` run's tok/s over the `base` run of the same variant (the name after the
+    prefix: "" / "_again", "_compiled", "_loss_compiled", ...), as a call's runs are named."""
+    by_name = {r["run"]: r for r in rows}
+    out = []
+    for r in rows:
+        if r["run"].startswith(other) and (base + r["run"][len(other):]) in by_name:
+            b = by_name[base + r["run"][len(other):]]
+            out.append({"variant": r["run"][len(other):] or "-", "base": b["run"], "run": r["run"],
+                        "ratio": r["tok_s"] / b["tok_s"]})
+    return out
+
+
 def main() -> int:
     root = Path(sys.argv[1])
     rows = [run_row(f) for f in sorted((root / "runs").iterdir()) if (f / "metrics.jsonl").is_file()]
@@ -47,7 +60,12 @@ def main() -> int:
               f"{r['step_s']:.3f} | {r['final_loss']:.4f} | {r['mem_active_gib']:.1f} | {r['mem_reserved_gib']:.1f} | "
               f"{r['dispatch_fwd_ms']:.2f} + {r['dispatch_bwd_ms']:.2f} | {r['combine_fwd_ms']:.2f} + "
               f"{r['combine_bwd_ms']:.2f} | {r['local_work_ms']:.2f} |")
-    out = {"rows": rows, "profiles": {}}
+    ratios = pairs(rows)
+    if ratios:
+        print("\n| variant | nvshmem FP8 / nccl bf16 tok/s |\n| --- | --- |")
+        for q in ratios:
+            print(f"| {q['variant']} | {q['ratio']:.3f} |")
+    out = {"rows": rows, "pairs": ratios, "profiles": {}}
     for prof in sorted((root / "profiles").glob("*.json")):
         p = json.loads(prof.read_text())
         out["profiles"][prof.stem] = {"span_ms": p["span_ms"], "kernel_time_share": p["kernel_time_share"],

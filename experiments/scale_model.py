@@ -509,8 +509,11 @@ def memory_section(rows, cal, lines):
               "fp32 gradients and the largest unit's unsharded gradients in bf16 and fp32, the activations gone). "
               "The larger is the peak in use (TorchTitan's memory/max_active); torch's caching allocator reserves "
               f"about {estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM:.0f} bytes per output-projection parameter "
-              "(vocab x dim) more (memory/max_reserved; an empirical fit over the 2xH200 runs, "
-              f"`validation.fit_allocator_cache` = {validation.fit_allocator_cache():.1f}).", "",
+              "(vocab x dim) more under fully_shard (memory/max_reserved; an empirical fit over the 2xH200 runs, "
+              f"`validation.fit_allocator_cache` = {validation.fit_allocator_cache():.1f}) and about "
+              f"{estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM_UNSHARDED:.1f} without it (one GPU: no unsharded "
+              "embedding, output or their gradients pass through its cache; fitted over the one-H200 recipe's run 27, "
+              f"{validation.fit_allocator_cache(sharded=False):.2f}).", "",
               "The recompute that never communicates (moe_comm.titan.recompute) keeps, per MoE layer and microbatch in "
               "flight under any AC mode, what dispatch and combine returned (`estimate.comm_kept_bytes`: for nvshmem "
               "its expert rows at the buffer's capacity, twice, which recv_capacity_factor scales). At the flagship "

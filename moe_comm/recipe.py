@@ -385,12 +385,17 @@ def _check_cluster(c) -> None:
 def _check_dataset_name(config) -> None:
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    t = config.training
-    if t.dataset not in DATASETS:
-        raise RecipeError(
-            f"[training] dataset = {t.dataset!r} is not a TorchTitan dataset; "
-            f"choose one of {sorted(DATASETS)}"
-        )
+    named = [("training", config.training.dataset)]
+    if config.validation.enable:
+        named.append(("validation", config.validation.dataset))
+    for section, name in named:
+        if name not in DATASETS:
+            # TorchTitan would take another case (it looks the name up lower-cased); the recipe's
+            # other readers of the name (its documents, `assets`) take it as TorchTitan lists it
+            hint = f"; write {name.lower()!r}" if name.lower() in DATASETS else ""
+            raise RecipeError(
+                f"[{section}] dataset = {name!r} is not a TorchTitan dataset; choose one of {sorted(DATASETS)}{hint}"
+            )
 
 
 def load(

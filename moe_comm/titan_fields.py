@@ -1,5 +1,5 @@
-"""The TorchTitan 0.2.2 fields its trainer divides by, takes a remainder by, asserts on or
-counts with, checked before launch.
+"""The TorchTitan 0.2.2 fields its trainer divides by, takes a remainder by, asserts on, counts
+with or looks up by name (and ignores when the name is wrong), checked before launch.
 
 TorchTitan reads these only when it gets to them: `--checkpoint.interval 0` passes its parser,
 trains step 1 and then kills every rank with a ZeroDivisionError in `step % interval`. Each
@@ -8,8 +8,15 @@ dropped when TorchTitan checks it itself. Fields of a feature that is off (check
 profiling, validation) are checked only when it is on, as TorchTitan reads them only then.
 """
 
+import difflib
+
 from moe_comm.errors import RecipeError
 from moe_comm.layout import Layout
+
+# What TorchTitan 0.2.2 compiles under [compile] enable, by the names [compile] components takes
+COMPILE_COMPONENTS = ("model", "loss")
+# The optimizers TorchTitan 0.2.2 builds, by [optimizer] name (components/optimizer.py)
+OPTIMIZERS = ("Adam", "AdamW")
 
 
 def _at_least(section: str, name: str, value: int, low: int, why: str) -> None:
@@ -60,6 +67,13 @@ def check(config, layout: Layout) -> None:
 
     # distributed/pipeline_parallel.py: local batch % microbatch, then local batch // microbatch
     if layout.pp > 1:
+        # distributed/pipeline_parallel.py: get_schedule_class(name) raises for a name torch lacks
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        try:
+            get_schedule_class(p.pipeline_parallel_schedule)
+        except ValueError as e:
+            raise RecipeError(f"[parallelism] pipeline_parallel_schedule = {p.pipeline_parallel_schedule!r}: {e}") from None
         mb = p.pipeline_parallel_microbatch_size
         _at_least("parallelism", "pipeline_parallel_microbatch_size", mb, 1, "rows of the local batch per pipeline microbatch")
         if t.local_batch_size % mb:
@@ -101,6 +115,46 @@ def check(config, layout: Layout) -> None:
                 "[checkpoint] initial_load_in_hf = true needs initial_load_model_only = true (HF safetensors "
                 "hold the model only)"
             )
+
+    # components/optimizer.py build_optimizers: NotImplementedError for another name, and for a
+    # step in the backward under expert or pipeline parallelism
+    o = config.optimizer
+    if o.name not in OPTIMIZERS:
+        close = [n for n in OPTIMIZERS if n.lower() == o.name.lower()] or difflib.get_close_matches(
+            o.name, OPTIMIZERS, n=1, cutoff=0.5)
+        raise RecipeError(
+            f"[optimizer] name = {o.name!r} must be {' or '.join(repr(n) for n in OPTIMIZERS)} (the optimizers "
+            f"TorchTitan builds){f'; did you mean {close[0]!r}?' if close else ''}"
+        )
+    if o.early_step_in_backward and (layout.ep > 1 or layout.pp > 1):
+        raise RecipeError(
+            f"[optimizer] early_step_in_backward = true needs expert_parallel_degree and pipeline_parallel_degree "
+            f"1 (TorchTitan steps in the backward only without them; here EP {layout.ep}, PP {layout.pp}): set it false"
+        )
+
+    # models/*/infra/parallelize.py `"model" in components`, components/loss.py `"loss" in components`:
+    # any other name compiles nothing, silently
+    if config.compile.enable:
+        unknown = [name for name in config.compile.components if name not in COMPILE_COMPONENTS]
+        if unknown or not config.compile.components:
+            raise RecipeError(
+                f"[compile] components = {list(config.compile.components)} must name what TorchTitan compiles: "
+                f"{' and/or '.join(repr(n) for n in COMPILE_COMPONENTS)} (it compiles nothing for "
+                f"{unknown or 'an empty list'}); or set [compile] enable = false"
+            )
+        # torch.compile(..., backend=...) in apply_compile and build_cross_entropy_loss: an unknown
+        # name raises there, on every rank, after the job has started
+        from torch._dynamo.backends.registry import lookup_backend
+        from torch._dynamo.exc import InvalidBackend
+
+        try:
+            lookup_backend(config.compile.backend)
+        except InvalidBackend:
+            raise RecipeError(
+                f"[compile] backend = {config.compile.backend!r} is not a torch.compile backend: \"inductor\" "
+                "(TorchTitan's default) generates kernels; \"aot_eager\" traces without generating them "
+                "(torch._dynamo.list_backends() lists the rest)"
+            ) from None
 
     prof = config.profiling
     if prof.enable_profiling or prof.enable_memory_snapshot:

@@ -88,9 +88,49 @@ def test_one_gpu_memory_hand_counted():
     full = estimate.memory_per_gpu(a, one, 2, SEQ, "full")
     assert full.weight_copies == 2 * (p.total - p.embedding - routed)  # the experts' casts recomputed
     assert full.peak_at == "end of backward" and full.total == 16 * p.total  # fp32 params, grads, moments
+    # no fully_shard: the allocator's cache fitted on the one-GPU runs, not the 2xH200 ones
+    assert none.reserved - none.total == pytest.approx(
+        estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM_UNSHARDED * a.vocab_size * a.dim)
     # measured on one H200 (results/h200x1): 99.8 GiB in use at 2 x 4096 without AC, 86.0 with full AC
     assert none.total / estimate.GiB == pytest.approx(99.8, rel=0.05)
     assert full.total / estimate.GiB == pytest.approx(86.0, rel=0.03)
+
+
+def _saved_bytes_per_logit(loss_fn, tokens: int = 256, vocab: int = 4096) -> dict[str, int]:
+    """The distinct tensors of the logits' size TorchTitan's loss saves for its backward: their
+    dtype -> bytes per logit."""
+    x = torch.randn(1, tokens, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+    saved = {}
+
+    def pack(t):
+        if t.numel() == tokens * vocab:
+            saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(x, labels)
+    loss.backward()
+    return {str(t.dtype): t.element_size() for t in saved.values()}
+
+
+def test_the_compiled_loss_keeps_the_bf16_logits_alone():
+    """logits_bytes: TorchTitan's eager cross-entropy saves the fp32 log-probabilities (4 B a
+    logit, beside the bf16 logits the forward holds); compiled, it saves the bf16 logits and
+    recomputes the softmax in its backward. Traced with inductor's partitioner (min-cut
+    rematerialisation, which aot_eager_decomp_partition runs without generating kernels)."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    assert _saved_bytes_per_logit(cross_entropy_loss) == {"torch.float32": 4}
+    compiled = torch.compile(cross_entropy_loss, backend="aot_eager_decomp_partition")
+    assert _saved_bytes_per_logit(compiled) == {"torch.bfloat16": 2}
+    assert (estimate.logits_bytes(False), estimate.logits_bytes(True)) == (2 + 4, 2)
+    flavors.register()
+    a, one = deepseekv3_args["671B_layers_1gpu"], Layout(1, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+    eager = estimate.memory_per_gpu(a, one, 2, SEQ, "none")
+    loss_compiled = estimate.memory_per_gpu(a, one, 2, SEQ, "none", loss_compiled=True)
+    assert eager.logits - loss_compiled.logits == 4 * 2 * SEQ * a.vocab_size  # 3.9 GiB at 2 x 4096
+    assert eager.total - loss_compiled.total == pytest.approx(4 * 2 * SEQ * a.vocab_size)
 
 
 def test_memory_estimate_is_close_to_measured_16b():

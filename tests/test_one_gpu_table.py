@@ -36,3 +36,11 @@ def test_run63_rows_are_the_committed_table(one_gpu_table):
     last = json.loads((RUN63 / "runs/nvshmem_fp8/metrics.jsonl").read_text().splitlines()[-1])
     assert fp8["final_loss"] == last["loss_metrics/global_avg_loss"]
     assert round(fp8["final_loss"], 4) == 1.3746 and fp8["steps"] == 100
+
+
+def test_the_fp8_runs_over_the_nccl_runs_of_the_same_variant(one_gpu_table):
+    """Run 63: nvshmem_fp8 over nccl_bf16, nvshmem_fp8_again over nccl_bf16_again (1.197, 1.198)."""
+    rows = [one_gpu_table.run_row(RUN63 / "runs" / n)
+            for n in ("nccl_bf16", "nccl_bf16_again", "nvshmem_fp8", "nvshmem_fp8_again")]
+    got = {(q["variant"], q["base"], q["run"]): round(q["ratio"], 3) for q in one_gpu_table.pairs(rows)}
+    assert got == {("-", "nccl_bf16", "nvshmem_fp8"): 1.197, ("_again", "nccl_bf16_again", "nvshmem_fp8_again"): 1.198}

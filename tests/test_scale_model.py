@@ -281,9 +281,11 @@ def test_one_gpu_memory_and_throughput_held_out(validated):
     assert max(abs(r.error_pct) for r in tps) < 8.0
 
 
-def test_allocator_cache_constant_matches_its_fit():
+def test_allocator_cache_constants_match_their_fits():
     assert validation.fit_allocator_cache() == pytest.approx(
         estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM, abs=1.0)
+    assert validation.fit_allocator_cache(sharded=False) == pytest.approx(
+        estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM_UNSHARDED, abs=0.1)
 
 
 def test_nothing_is_fitted_to_the_nebius_anchors(validated, monkeypatch):
@@ -785,3 +787,17 @@ def test_the_nvshmem_calls_cuda_graph_pools_are_in_the_memory():
     assert mem.call_graphs == pytest.approx(2 * per_layer) and nccl.call_graphs == 0
     assert mem.call_graphs / estimate.GiB == pytest.approx(7.9, abs=0.05)
     assert mem.total - nccl.total == pytest.approx(mem.call_graphs)
+
+
+def test_a_recipe_that_compiles_its_loss_holds_its_bf16_logits_alone():
+    """`check`'s memory for the one-GPU recipe with `--compile.enable --compile.components loss`:
+    4 B a logit less than eager (estimate.logits_bytes), 3.9 GiB at 2 x 4096 tokens x 129,280."""
+    from moe_comm import recipe
+
+    path = "recipes/deepseek_v3_671b_h200x1.toml"
+    eager = scale_model.workload_from_recipe(recipe.load(path, [], device="cuda", check_paths=False))
+    compiled = scale_model.workload_from_recipe(recipe.load(
+        path, ["--compile.enable", "--compile.components", "loss"], device="cuda", check_paths=False))
+    assert compiled.loss_compiled and not eager.loss_compiled
+    drop = scale_model.memory(eager, "nvshmem").total - scale_model.memory(compiled, "nvshmem").total
+    assert drop == pytest.approx(4 * 8192 * 129280) and drop / estimate.GiB == pytest.approx(3.95, abs=0.01)

@@ -1,5 +1,6 @@
-"""The TorchTitan fields its trainer divides, takes a remainder or asserts on (moe_comm.fields):
-refused by `check`, `submit` and `train` before any process starts, naming the field.
+"""The TorchTitan fields its trainer divides by, takes a remainder by, asserts on or looks up by
+name (moe_comm.titan_fields): refused by `check`, `submit` and `train` before any process starts,
+naming the field.
 
 Before: `--checkpoint.interval 0` passed `check` and `submit --dry-run`, then every rank died
 after step 1 with a ZeroDivisionError."""
@@ -37,6 +38,13 @@ BAD = [
     (["--validation.enable", "--validation.freq", "0"], "[validation] freq = 0"),
     (["--validation.steps", "0"], "validation steps must be positive or -1"),  # TorchTitan's own assert
     (["--training.dataloader.num_workers", "-1"], "[training.dataloader] num_workers = -1"),
+    (["--compile.enable", "--compile.components", "model,los"], "[compile] components = ['model', 'los'] must name"),
+    (["--optimizer.name", "Adamw"], "[optimizer] name = 'Adamw' must be 'Adam' or 'AdamW' (the optimizers TorchTitan "
+                                     "builds); did you mean 'AdamW'?"),
+    (["--optimizer.early_step_in_backward"], "[optimizer] early_step_in_backward = true needs expert_parallel_degree"),
+    (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+      "1F1b2"], "[parallelism] pipeline_parallel_schedule = '1F1b2': Unknown schedule name '1F1b2'. The valid options"),
+    (["--compile.enable", "--compile.backend", "inductr"], "[compile] backend = 'inductr' is not a torch.compile backend"),
     (["--nproc-per-node", "4", "--parallelism.pipeline_parallel_degree", "2",
       "--parallelism.pipeline_parallel_microbatch_size", "3"], "pipeline_parallel_microbatch_size = 3"),
     # torch's schedules refuse these microbatch counts when they are built, on every rank
@@ -77,6 +85,10 @@ def test_the_defaults_and_the_disabled_features_pass():
     recipe.load("recipes/debug_cpu.toml", ["--checkpoint.interval", "0", "--validation.freq", "0",
                                            "--profiling.profile_freq", "0"], device="cpu")
     recipe.load("recipes/debug_cpu.toml", ["--training.global_batch_size", "8"], device="cpu")  # 2 steps of accumulation
+    recipe.load("recipes/debug_cpu.toml", ["--compile.components", "los"], device="cpu")  # compile is off
+    for components in ("loss", "model", "model,loss"):
+        recipe.load("recipes/debug_cpu.toml", ["--compile.enable", "--compile.components", components], device="cpu")
+    recipe.load("recipes/debug_cpu.toml", ["--compile.enable", "--compile.backend", "aot_eager"], device="cpu")
 
 
 @pytest.mark.parametrize("verb", ["check", "submit", "train"])

@@ -24,13 +24,16 @@ Memory (per GPU, bytes) is written down term by term so it can be argued with:
     interleaved schedule more, the zero-bubble ones until each weight gradient ran), and the
     stage split which layers a rank has; the estimate is the pipeline rank that holds the most.
     The logits (one microbatch's tokens x vocab, fp32 for the loss, plus the bf16 output) sit
-    on the rank with the last stage.
+    on the rank with the last stage; with the loss compiled ([compile] components "loss") the
+    bf16 output alone, which the compiled loss saves for its backward instead of the eager
+    loss's fp32 log-probabilities (`logits_bytes`).
   * with PP, TorchTitan does not reshard a stage's parameters after the forward and torch's
     pipeline accumulates unsharded fp32 gradients over the microbatches: every block of the
     rank is unsharded in bf16, with an fp32 gradient, for the whole step.
   * without PP, activations and gradients never peak together (`MemoryEstimate`): the peak in
     use is the end of the forward pass or the end of the backward pass, whichever is larger, and the
-    caching allocator reserves more than that (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM).
+    caching allocator reserves more than that (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM, and a
+    smaller figure without fully_shard).
   * without fully_shard (`fsdp_applied`: dp_shard x cp = 1 and EP 1, e.g. one GPU) there is no
     working set and no gradient reduce: TorchTitan trains under torch.autocast instead
     (`autocast`), with fp32 parameters. Autocast keeps a bf16 copy of every weight it casts until
@@ -157,6 +160,11 @@ def _autocast_extra_bytes_per_token(a, moe_layer: bool) -> float:
 # fp32 gradients) are a step's largest transient blocks and leave the cache fragmented; the
 # term is an empirical fit, not a mechanism.
 ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM = 41.0
+# ... and without fully_shard (one GPU: autocast), where no unsharded embedding, output or their
+# gradients pass through the cache: fitted over the one-H200 recipe's run 27 (no AC, with and
+# without the MoE calls' CUDA graphs). The 2xH200 figure above overestimated the one-GPU runs'
+# reserved memory by 21-28% (results/scale_model.md, before session 22).
+ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM_UNSHARDED = 4.4
 
 
 @dataclass
@@ -176,7 +184,7 @@ class MemoryEstimate:
     activations: float
     weight_copies: float  # autocast's bf16 copies of the weights, held to their backward (0 under fully_shard)
     logits: float
-    allocator_cache: float  # reserved beyond the peak in use (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM)
+    allocator_cache: float  # reserved beyond the peak in use (ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM*)
     pipelined: bool = False  # PP: gradients accumulate while microbatches are in flight
     microbatches_in_flight: float = 1.0  # whole-rank microbatches whose activations are held at the peak
     stages_per_rank: int = 1
@@ -280,7 +288,7 @@ def memory_per_gpu(
     a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int = 1,
     pp_schedule: str = "1F1B", layers_per_stage: int | None = None, *, comm_kept_per_layer: float = 0.0,
     extra_chunks: int = 0, call_graphs_per_layer: float = 0.0, fp8_weights_per_layer: float = 0.0,
-    fp8_forward_weights_per_layer: float = 0.0,
+    fp8_forward_weights_per_layer: float = 0.0, loss_compiled: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU memory; with PP, of the pipeline rank that holds the most. `comm_kept_per_layer`:
     the bytes activation checkpointing keeps per MoE layer and microbatch so that its recompute
@@ -291,21 +299,23 @@ def memory_per_gpu(
     `fp8_weights_per_layer`: what the FP8 experts keep of their e4m3 weights per MoE layer over the
     step (moe_comm.fp8_experts.cached_weight_bytes, where the run caches them);
     `fp8_forward_weights_per_layer`: the forward's copies among them, or what a run that does not
-    cache saves from each layer's forward to its backward (forward_weight_bytes)."""
+    cache saves from each layer's forward to its backward (forward_weight_bytes); `loss_compiled`:
+    TorchTitan compiles the loss (logits_bytes)."""
     if layout.pp > 1:
         ranks = pipeline_ranks(a, layout, local_batch, microbatch, pp_schedule, layers_per_stage)
         return max((_memory(a, layout, local_batch, seq_len, ac_mode, microbatch, r, comm_kept_per_layer,
-                            extra_chunks, call_graphs_per_layer, fp8_weights_per_layer, fp8_forward_weights_per_layer)
+                            extra_chunks, call_graphs_per_layer, fp8_weights_per_layer, fp8_forward_weights_per_layer,
+                            loss_compiled)
                     for r in ranks), key=lambda mem: mem.total)
     return _memory(a, layout, local_batch, seq_len, ac_mode, microbatch, None, comm_kept_per_layer,
                    call_graphs_per_layer=call_graphs_per_layer, fp8_weights_per_layer=fp8_weights_per_layer,
-                   fp8_forward_weights_per_layer=fp8_forward_weights_per_layer)
+                   fp8_forward_weights_per_layer=fp8_forward_weights_per_layer, loss_compiled=loss_compiled)
 
 
 def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, microbatch: int,
             rank: PipelineRank | None, comm_kept_per_layer: float = 0.0, extra_chunks: int = 0,
             call_graphs_per_layer: float = 0.0, fp8_weights_per_layer: float = 0.0,
-            fp8_forward_weights_per_layer: float = 0.0) -> MemoryEstimate:
+            fp8_forward_weights_per_layer: float = 0.0, loss_compiled: bool = False) -> MemoryEstimate:
     p = count_params(a)
     shard = layout.dp_shard * layout.cp * layout.tp * layout.pp
     routed_per_block = expert_params(a, a.moe_args.num_experts)
@@ -360,8 +370,9 @@ def _memory(a, layout: Layout, local_batch: int, seq_len: int, ac_mode: str, mic
     moe_layers = sum(1 for i in layers if i >= a.n_dense_layers)
     comm_kept = comm_kept_per_layer * moe_layers * in_flight if ac_mode != "none" else 0.0
     on_last = rank is None or rank.output
-    logits = tokens_one_mb * a.vocab_size * (4 + 2) / cp_tp if on_last else 0.0
-    cache = ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM * a.vocab_size * a.dim / layout.tp
+    logits = tokens_one_mb * a.vocab_size * logits_bytes(loss_compiled) / cp_tp if on_last else 0.0
+    per_param = ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM if sharded else ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM_UNSHARDED
+    cache = per_param * a.vocab_size * a.dim / layout.tp
     return MemoryEstimate(
         params_and_optimizer=12 * p.total / shard, gradients=4 * p.total / shard,
         fsdp_working_set=fsdp_working_set, grad_reduce=grad_reduce, activations=activations,
@@ -382,6 +393,15 @@ def rank_unsharded_params(a, layout: Layout, rank: PipelineRank | None) -> float
     layers = rank.layers if rank else range(a.n_layers)
     outer = (int(rank.embedding) + int(rank.output)) if rank else 2
     return sum(_block_unit(a, layout, i) for i in layers) + outer * a.vocab_size * a.dim / layout.tp
+
+
+def logits_bytes(loss_compiled: bool) -> int:
+    """Bytes per logit the last stage holds at the end of its forward: the output projection's
+    bf16 logits (2), and under TorchTitan's eager loss their fp32 log-probabilities, which
+    cross-entropy saves for its backward (4). TorchTitan's compiled loss saves the bf16 logits
+    alone and recomputes the softmax in its backward (its saved tensors, traced on CPU: one bf16
+    tensor of the logits' shape, against one fp32 one eager; tests/test_estimate.py)."""
+    return 2 if loss_compiled else 2 + 4
 
 
 def param_copy_bytes(a, layout: Layout, rank: PipelineRank | None, microbatches: int) -> float:

@@ -847,7 +847,8 @@ def memory(w: Workload, backend: str) -> estimate.MemoryEstimate:
     return estimate.memory_per_gpu(
         w.args, w.layout, w.local_batch, w.seq_len, w.ac_mode, w.microbatch, w.pp_schedule, w.layers_per_stage,
         comm_kept_per_layer=comm_kept_per_layer(w, backend), extra_chunks=1 if w.overlap == "microbatch" else 0,
-        call_graphs_per_layer=graphs, fp8_weights_per_layer=kept, fp8_forward_weights_per_layer=forward)
+        call_graphs_per_layer=graphs, fp8_weights_per_layer=kept, fp8_forward_weights_per_layer=forward,
+        loss_compiled=w.loss_compiled)
 
 
 def bench_round_trip(backend: str, tokens: int, hidden: int, top_k: int, experts: int, routing: str, world: int,

@@ -111,11 +111,12 @@ def validate(cal: calibration.Calibration, figures: list[dict] | None = None) ->
     return rows
 
 
-def fit_allocator_cache(figures: list[dict] | None = None) -> float:
+def fit_allocator_cache(figures: list[dict] | None = None, *, sharded: bool = True) -> float:
     """Bytes of allocator cache per output-projection parameter (vocab x dim / tp) that best
     explain reserved - in use over the memory figures whose reserved figure calibrates (least
-    squares through 0); the value moe_comm.predict.estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM
-    must match."""
+    squares through 0), of the runs under fully_shard (`sharded`) or of those without it: the
+    values moe_comm.predict.estimate.ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM and
+    ALLOCATOR_CACHE_BYTES_PER_OUTPUT_PARAM_UNSHARDED must match."""
     figures = figures if figures is not None else load_figures()
     pairs = {}
     for fig in figures:
@@ -130,6 +131,8 @@ def fit_allocator_cache(figures: list[dict] | None = None) -> float:
             continue  # a held-out reserved figure checks the fit, it never moves it
         fig = both["memory_in_use_gib"][0]
         w, _ = scale_model.workload_from_spec(fig["predict"])
+        if estimate.fsdp_applied(w.layout) != sharded:
+            continue
         x = w.args.vocab_size * w.args.dim / w.layout.tp
         gap = (both["memory_reserved_gib"][1] - both["memory_in_use_gib"][1]) * estimate.GiB
         sxy += x * gap
