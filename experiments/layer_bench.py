@@ -77,7 +77,7 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from moe_comm.predict import documents  # noqa: E402
-from moe_comm.predict.layer_compute import part_ms  # noqa: E402
+from moe_comm.predict.layer_compute import LOSS_COMPILED, part_ms  # noqa: E402
 
 SCHEMA = "layer_bench/1"
 FLAGSHIP_RECIPE = "recipes/deepseek_v3_671b_b200.toml"
@@ -764,7 +764,7 @@ def build_parts(case: Case, device: torch.device, state: dict) -> list[Part]:
     add("output_loss", "compute", output_loss, count_per_layer=0)
     # the same with TorchTitan's compiled loss: inductor fuses the fp32 upcast of the logits, the
     # log-softmax and their backward (eager: 4 + 4 bytes a logit written forward, more backward)
-    add("output_loss.loss_compiled", "compute", lambda: output_loss(loss_compiled=True),
+    add(LOSS_COMPILED, "compute", lambda: output_loss(loss_compiled=True),
         priority=P_COMPILED, count_per_layer=0)
     return parts
 
@@ -1112,7 +1112,7 @@ def _expected_s(part: Part, state: dict) -> float:
         return 30.0 if new_shape else 5.0
     if ".compiled." in part.name:
         return state.get("experts_compile_s", 60.0)
-    if part.name == "output_loss.loss_compiled":  # the loss's forward and backward graphs
+    if part.name == LOSS_COMPILED:  # the loss's forward and backward graphs
         return 30.0
     return 10.0
 

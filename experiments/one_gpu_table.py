@@ -42,16 +42,16 @@ def pairs(rows: list[dict], base: str = "nccl_bf16", other: str = "nvshmem_fp8")
     by_name = {r["run"]: r for r in rows}
     out = []
     for r in rows:
-        if r["run"].startswith(other) and (base + r["run"][len(other):]) in by_name:
-            b = by_name[base + r["run"][len(other):]]
-            out.append({"variant": r["run"][len(other):] or "-", "base": b["run"], "run": r["run"],
-                        "ratio": r["tok_s"] / b["tok_s"]})
+        variant = r["run"].removeprefix(other)
+        b = by_name.get(base + variant) if r["run"].startswith(other) else None
+        if b:
+            out.append({"variant": variant or "-", "base": b["run"], "run": r["run"], "ratio": r["tok_s"] / b["tok_s"]})
     return out
 
 
 def main() -> int:
     root = Path(sys.argv[1])
-    rows = [run_row(f) for f in sorted((root / "runs").iterdir()) if (f / "metrics.jsonl").is_file()]
+    rows = [run_row(f) for f in sorted((root / "runs").iterdir()) if (f / keys.JSONL_NAME).is_file()]
     print("| run | backend | tok/s | MFU | step s | final loss | max active GiB | max reserved GiB | "
           "dispatch fwd+bwd ms | combine fwd+bwd ms | MoE local work ms/step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
