@@ -2,8 +2,9 @@
 // GEMMs' operands around torch._scaled_grouped_mm, fused with what sits between the GEMMs.
 //
 // Scales follow torch._scaled_grouped_mm's rowwise recipe on Hopper: one fp32 scale per row of
-// the left operand, one per output channel of the right (per expert), each amax / 448 applied by
-// division (common/vec.cuh), so moe_comm/kernels/fp8_reference.py reproduces them bit for bit.
+// the left operand, one per output channel of the right (per expert), each amax / 448 applied as
+// a product with its reciprocal (common/vec.cuh), so moe_comm/kernels/fp8_reference.py reproduces
+// them bit for bit.
 // Rows are the expert-major rows dispatch lays out: expert e's segment ends at offsets[e] (the
 // GEMM's `offs`), and rows past offsets[L - 1] (the unused tail of the receive capacity) are
 // left untouched, as the GEMM never reads them. Local kernels: ordinary launches over the GPU.

@@ -32,11 +32,12 @@ __global__ void __launch_bounds__(kThreads) gate_kernel(const GateArgs a) {
       }
     }
     const float scale = fp8_scale(block_max.of(amax), kFp8MinAmaxSmall);
+    const float inv_scale = fp8_inverse_scale(scale);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.inter);
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
-      if (v < vecs) q[v] = fp8_quantise_floats8(h[i], scale);
+      if (v < vecs) q[v] = fp8_quantise_floats8(h[i], inv_scale);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }

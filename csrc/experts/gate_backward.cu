@@ -76,14 +76,15 @@ __global__ void __launch_bounds__(kThreads, kGateBackwardThreadsPerSm / kThreads
       }
     }
     const float scale = fp8_scale(block_max.of(amax), kFp8MinAmaxSmall);
+    const float inv_scale = fp8_inverse_scale(scale);
     uint2* q1 = reinterpret_cast<uint2*>(a.q + row * 2 * a.inter);
     uint2* q3 = q1 + vecs;
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
       if (v < vecs) {
-        q1[v] = fp8_quantise_floats8(d1[i], scale);
-        q3[v] = fp8_quantise_floats8(d3[i], scale);
+        q1[v] = fp8_quantise_floats8(d1[i], inv_scale);
+        q3[v] = fp8_quantise_floats8(d3[i], inv_scale);
       }
     }
     if (threadIdx.x == 0) a.scale[row] = scale;

@@ -85,8 +85,9 @@ __device__ __forceinline__ uint4 load_row8(const GroupColumnsArgs& a, int64_t r,
   return *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + r * a.channels + c);
 }
 
-// Those 8 channels' e4m3 codes: bf16 quantised by the columns' scales, or e4m3 as it is.
-__device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, const float* scales) {
+// Those 8 channels' e4m3 codes: bf16 quantised by the columns' scales (their reciprocals,
+// fp8_inverse_scale), or e4m3 as it is.
+__device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, const float* inv_scales) {
   if (a.bytes) return make_uint2(raw.x, raw.y);
   float f[8];
   bf16x8_to_floats(raw, f);
@@ -96,7 +97,7 @@ __device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, co
     uint32_t packed = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(f[4 * h + k] / scales[4 * h + k], __NV_SATFINITE, __NV_E4M3);
+      const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(f[4 * h + k] * inv_scales[4 * h + k], __NV_SATFINITE, __NV_E4M3);
       packed |= (uint32_t)q << (8 * k);
     }
     word[h] = packed;
@@ -107,7 +108,7 @@ __device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, co
 __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_kernel(const GroupColumnsArgs a,
                                                                                          const int64_t chunk_rows) {
   __shared__ __align__(16) uint8_t tile[kGroupCols * kGroupPitch];
-  __shared__ float scales[kGroupCols];
+  __shared__ float inv_scales[kGroupCols];
   const int c0 = blockIdx.x * kGroupCols;
   int g;
   int64_t first, start, end;
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_
   if (!a.bytes && threadIdx.x < kGroupCols) {
     const int col = c0 + threadIdx.x;
     const float scale = col < a.channels ? fp8_scale(a.col_amax[g * a.amax_stride + col], kFp8MinAmaxSmall) : 1.f;
-    scales[threadIdx.x] = scale;
+    inv_scales[threadIdx.x] = fp8_inverse_scale(scale);
     if (col < a.channels && start == first) {  // the expert's first chunk writes its scales
       const int per_half = a.channels / a.halves, h = col / per_half;
       a.scale[((int64_t)h * a.groups + g) * per_half + col % per_half] = scale;
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_
     for (int i = 0; i < kTileLoads; ++i) {
       int64_t r;
       int v;
-      if (loaded(r0, i, r, v)) put8_in_tile<kGroupPitch>(tile, 8 * v, (int)(r - r0), codes8(a, raw[i], scales + 8 * v));
+      if (loaded(r0, i, r, v)) put8_in_tile<kGroupPitch>(tile, 8 * v, (int)(r - r0), codes8(a, raw[i], inv_scales + 8 * v));
     }
     __syncthreads();
     if (r0 + kGroupRows < end) fetch(r0 + kGroupRows);  // in flight during this tile's stores

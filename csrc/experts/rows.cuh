@@ -279,7 +279,12 @@ struct RowPrefetch {
   }
 };
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// The gate's sigmoid from the hardware's exp2 and reciprocal (__expf, __fdividef: a few ulp of
+// fp32), not expf and a correctly rounded division (about twenty instructions with a branch to a
+// slow path, a value): its result is rounded to bf16 or e4m3 (2^-8, 2^-3 relative), and the gate
+// already only agrees with torch's to rounding (moe_comm/kernels/fp8_reference.py). Large |x|
+// saturate as they should: exp(-x) = inf gives 0, and __fdividef of 1 by more than 2^126 is 0.
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 #endif  // __CUDACC__
 
