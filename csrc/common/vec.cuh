@@ -124,8 +124,9 @@ __device__ __forceinline__ float fp8_group_scale(uint4 raw, float min_amax = kFp
 // What a group's values are multiplied by before rounding to e4m3: 1 / scale, correctly rounded
 // (one IEEE division a group). Dividing each value by the scale instead cost a correctly rounded
 // division per value (div.rn.f32: a reciprocal, its Newton steps, a range check and a branch to a
-// slow path, about ten instructions against one multiply), the most of the row kernels' loop
-// bodies' instructions after their loads. The product is the quotient to within an ulp of fp32,
+// slow path, about ten instructions against one multiply): a fifth to two fifths of the FP8
+// experts' row kernels' SASS instructions (quantise_rows 4,080 -> 3,216, weights 2,968 -> 1,648,
+// all template instances). The product is the quotient to within an ulp of fp32,
 // far inside an e4m3 rounding step (2^-3 relative), so a code moves only where the quotient sits
 // within that ulp of a rounding boundary.
 __device__ __forceinline__ float fp8_inverse_scale(float scale) { return 1.f / scale; }
