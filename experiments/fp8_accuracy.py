@@ -31,14 +31,17 @@ def rows(kind: str, g: torch.Generator) -> torch.Tensor:
         x = torch.randn(TOKENS, HIDDEN, generator=g)
         x[:, torch.randperm(HIDDEN, generator=g)[:16]] *= 30.0
     elif kind == "rmsnormed":  # unit RMS per row, heavy-tailed entries
-        x = torch.distributions.StudentT(4.0).sample((TOKENS, HIDDEN))
+        # Student-t with 4 degrees of freedom, z / sqrt(chi2_4 / 4), drawn from `g` like the others
+        # (torch.distributions takes no generator: the rows differed from run to run)
+        chi2 = sum(torch.randn(TOKENS, HIDDEN, generator=g).pow(2) for _ in range(4))
+        x = torch.randn(TOKENS, HIDDEN, generator=g) / (chi2 / 4).sqrt()
         x = x / x.pow(2).mean(dim=1, keepdim=True).sqrt()
     else:
         raise ValueError(kind)
     return x.to(torch.bfloat16)
 
 
-def errors(x: torch.Tensor, q: torch.Tensor) -> dict:
+def errors(x: torch.Tensor, q: torch.Tensor, g: torch.Generator) -> dict:
     xf, qf = x.float(), q.float()
     groups = xf.view(x.shape[0], -1, 128)
     amax = groups.abs().amax(dim=2, keepdim=True).expand_as(groups).reshape_as(xf)
@@ -48,7 +51,7 @@ def errors(x: torch.Tensor, q: torch.Tensor) -> dict:
     return {
         "element_rel_error_median": rel.median().item(),
         "element_rel_error_p99": rel.quantile(0.99).item() if rel.numel() < 16_000_000 else
-        rel[torch.randperm(rel.numel())[:1_000_000]].quantile(0.99).item(),
+        rel[torch.randperm(rel.numel(), generator=g)[:1_000_000]].quantile(0.99).item(),
         "element_rel_error_max": rel.max().item(),
         "row_rel_error_mean": row.mean().item(),
         "row_rel_error_max": row.max().item(),
@@ -62,9 +65,9 @@ def main(out: Path) -> None:
               "command": "python experiments/fp8_accuracy.py " + str(out), "distributions": {}}
     for kind in ("normal", "normal_with_outlier_channels", "rmsnormed"):
         x = rows(kind, g)
-        result["distributions"][kind] = errors(x, round_trip(x))
+        result["distributions"][kind] = errors(x, round_trip(x), g)
     x32 = torch.randn(TOKENS, HIDDEN, generator=g)
-    result["bf16_of_fp32_reference"] = errors(x32, x32.to(torch.bfloat16).float())
+    result["bf16_of_fp32_reference"] = errors(x32, x32.to(torch.bfloat16).float(), g)
     out.write_text(json.dumps(result, indent=1))
     lines = [f"{k:<30} " + "  ".join(f"{n} {v:.4f}" for n, v in e.items()) for k, e in result["distributions"].items()]
     print("\n".join(lines))

@@ -1,7 +1,8 @@
 // Vector maths on 16-byte rows: the element views, fp32 accumulation, and the e4m3 quantiser
 // every FP8 path uses: a scale is amax / 448 over its group of values (128 channels for FP8
-// dispatch, a whole row for the FP8 experts' rows), applied by division and rounded to nearest
-// even, so a pure-torch reference (moe_comm/kernels/fp8_reference.py) reproduces it bit for bit.
+// dispatch, a whole row for the FP8 experts' rows), applied as a product with its reciprocal
+// (both correctly rounded) and rounded to nearest even, so a pure-torch reference
+// (moe_comm/kernels/fp8_reference.py) reproduces it bit for bit.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -120,15 +121,25 @@ __device__ __forceinline__ float fp8_group_scale(uint4 raw, float min_amax = kFp
   return fp8_scale(amax, min_amax);
 }
 
-// 8 values -> 8 e4m3 bytes, x / scale rounded to nearest even and saturated.
-__device__ __forceinline__ uint2 fp8_quantise_floats8(const float (&f)[8], float scale) {
+// What a group's values are multiplied by before rounding to e4m3: 1 / scale, correctly rounded
+// (one IEEE division a group). Dividing each value by the scale instead cost a correctly rounded
+// division per value (div.rn.f32: a reciprocal, its Newton steps, a range check and a branch to a
+// slow path, about ten instructions against one multiply): a fifth to two fifths of the FP8
+// experts' row kernels' SASS instructions (quantise_rows 4,080 -> 3,216, weights 2,968 -> 1,648,
+// all template instances). The product is the quotient to within an ulp of fp32,
+// far inside an e4m3 rounding step (2^-3 relative), so a code moves only where the quotient sits
+// within that ulp of a rounding boundary.
+__device__ __forceinline__ float fp8_inverse_scale(float scale) { return 1.f / scale; }
+
+// 8 values -> 8 e4m3 bytes, x * inv_scale (fp8_inverse_scale) rounded to nearest even and saturated.
+__device__ __forceinline__ uint2 fp8_quantise_floats8(const float (&f)[8], float inv_scale) {
   uint32_t word[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     uint32_t packed = 0;
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
-      const float2 pair = make_float2(f[4 * h + 2 * p] / scale, f[4 * h + 2 * p + 1] / scale);
+      const float2 pair = make_float2(f[4 * h + 2 * p] * inv_scale, f[4 * h + 2 * p + 1] * inv_scale);
       const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
       packed |= (uint32_t)q << (16 * p);
     }
@@ -138,10 +149,10 @@ __device__ __forceinline__ uint2 fp8_quantise_floats8(const float (&f)[8], float
 }
 
 // 8 bf16 channels -> 8 e4m3 bytes.
-__device__ __forceinline__ uint2 fp8_quantise8(uint4 raw, float scale) {
+__device__ __forceinline__ uint2 fp8_quantise8(uint4 raw, float inv_scale) {
   float f[8];
   bf16x8_to_floats(raw, f);
-  return fp8_quantise_floats8(f, scale);
+  return fp8_quantise_floats8(f, inv_scale);
 }
 
 // 8 e4m3 bytes -> their 8 values (unscaled).

@@ -2,8 +2,9 @@
 // GEMMs' operands around torch._scaled_grouped_mm, fused with what sits between the GEMMs.
 //
 // Scales follow torch._scaled_grouped_mm's rowwise recipe on Hopper: one fp32 scale per row of
-// the left operand, one per output channel of the right (per expert), each amax / 448 applied by
-// division (common/vec.cuh), so moe_comm/kernels/fp8_reference.py reproduces them bit for bit.
+// the left operand, one per output channel of the right (per expert), each amax / 448 applied as
+// a product with its reciprocal (common/vec.cuh), so moe_comm/kernels/fp8_reference.py reproduces
+// them bit for bit.
 // Rows are the expert-major rows dispatch lays out: expert e's segment ends at offsets[e] (the
 // GEMM's `offs`), and rows past offsets[L - 1] (the unused tail of the receive capacity) are
 // left untouched, as the GEMM never reads them. Local kernels: ordinary launches over the GPU.
@@ -107,7 +108,6 @@ struct GroupColumnsArgs {
   int64_t row_stride;      // of q: the rows rounded up to 16 (uniform_rows: uniform_rows)
   uint8_t* q;              // [channels, row_stride]
   float* scale;            // [halves, groups, channels / halves]
-  int64_t chunk_rows;      // rows a block takes at most (set by launch_group_columns)
 };
 
 // The weight gradients (bf16, from the wgrad GEMMs) widened to fp32 parameters' dtype: n values,
@@ -123,7 +123,7 @@ void launch_quantise_rows(const QuantiseRowsArgs& a, int64_t rows, int sm_count,
 void launch_gate(const GateArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_gate_backward(const GateBackwardArgs& a, int64_t rows, int sm_count, cudaStream_t stream);
 void launch_weights(const WeightsArgs& a, int sm_count, cudaStream_t stream);
-void launch_group_columns(GroupColumnsArgs a, cudaStream_t stream);
+void launch_group_columns(const GroupColumnsArgs& a, cudaStream_t stream);
 void launch_widen(const WidenArgs& a, cudaStream_t stream);
 
 }  // namespace moe_comm

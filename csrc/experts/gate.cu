@@ -10,7 +10,8 @@ namespace moe_comm {
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) gate_kernel(const GateArgs a) {
-  __shared__ float scratch[kThreads / kWarpSize];
+  __shared__ float scratch[2 * kThreads / kWarpSize];
+  BlockMax<kThreads> block_max{scratch};
   const int64_t rows = rows_used(a.offsets, a.groups);
   const int vecs = a.inter / 8;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -30,12 +31,13 @@ __global__ void __launch_bounds__(kThreads) gate_kernel(const GateArgs a) {
         amax = fmaxf(amax, amax8(h[i]));
       }
     }
-    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
+    const float scale = fp8_scale(block_max.of(amax), kFp8MinAmaxSmall);
+    const float inv_scale = fp8_inverse_scale(scale);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.inter);
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
-      if (v < vecs) q[v] = fp8_quantise_floats8(h[i], scale);
+      if (v < vecs) q[v] = fp8_quantise_floats8(h[i], inv_scale);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }

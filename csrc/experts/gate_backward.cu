@@ -22,7 +22,8 @@ constexpr int kGateBackwardThreadsPerSm = kThreadsPerSm / 4;
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, kGateBackwardThreadsPerSm / kThreads) gate_backward_kernel(const GateBackwardArgs a) {
-  __shared__ float scratch[kThreads / kWarpSize];
+  __shared__ float scratch[2 * kThreads / kWarpSize];
+  BlockMax<kThreads> block_max{scratch};
   extern __shared__ float4 walk_s[];
   int64_t first, last;
   block_rows(rows_used(a.offsets, a.groups), first, last);
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, kGateBackwardThreadsPerSm / kThreads
   RowPrefetch<kThreads, 3> rows{vecs};
   rows.fetch(first < last, {h13 + first * 2 * vecs, h13 + first * 2 * vecs + vecs, dh + first * vecs});
   for (int64_t row = first; row < last; ++row) {
-    const VecSplit* channel_scale = walk.enter(row);
+    const VecSplit channel_scale = walk.enter(row);
     const float row_scale = a.row_scale ? a.row_scale[row] : 1.f;
     uint4 in[3][kRowVecs];  // h1, h3, dh
     const int64_t next = row + 1;
@@ -74,15 +75,16 @@ __global__ void __launch_bounds__(kThreads, kGateBackwardThreadsPerSm / kThreads
         amax = fmaxf(amax, fmaxf(amax8(d1[i]), amax8(d3[i])));
       }
     }
-    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
+    const float scale = fp8_scale(block_max.of(amax), kFp8MinAmaxSmall);
+    const float inv_scale = fp8_inverse_scale(scale);
     uint2* q1 = reinterpret_cast<uint2*>(a.q + row * 2 * a.inter);
     uint2* q3 = q1 + vecs;
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
       if (v < vecs) {
-        q1[v] = fp8_quantise_floats8(d1[i], scale);
-        q3[v] = fp8_quantise_floats8(d3[i], scale);
+        q1[v] = fp8_quantise_floats8(d1[i], inv_scale);
+        q3[v] = fp8_quantise_floats8(d3[i], inv_scale);
       }
     }
     if (threadIdx.x == 0) a.scale[row] = scale;

@@ -50,25 +50,25 @@ static int64_t group_chunk_rows(const GroupColumnsArgs& a) {
   return std::max<int64_t>(kGroupChunkRowsMin, (mean + kGroupRows - 1) / kGroupRows * kGroupRows);
 }
 
-// Chunks of rows the grid covers at most: each expert's rows in chunks of a.chunk_rows, an expert
+// Chunks of rows the grid covers at most: each expert's rows in chunks of chunk_rows, an expert
 // without rows one empty chunk (its block still writes its scales).
-static int64_t group_chunks_bound(const GroupColumnsArgs& a) {
+static int64_t group_chunks_bound(const GroupColumnsArgs& a, int64_t chunk_rows) {
   if (a.uniform_rows > 0) return a.groups;
-  return (a.row_stride + a.chunk_rows - 1) / a.chunk_rows + a.groups;
+  return (a.row_stride + chunk_rows - 1) / chunk_rows + a.groups;
 }
 
 // Chunk `chunk` of the rows: its expert g, the expert's first row, the chunk's rows [start, end);
 // false past the last chunk.
-__device__ __forceinline__ bool group_chunk(const GroupColumnsArgs& a, int64_t chunk, int& g, int64_t& first,
-                                            int64_t& start, int64_t& end) {
+__device__ __forceinline__ bool group_chunk(const GroupColumnsArgs& a, int64_t chunk_rows, int64_t chunk, int& g,
+                                            int64_t& first, int64_t& start, int64_t& end) {
   int64_t next = 0;
   for (g = 0; g < a.groups; ++g) {
     first = next;
     next = a.uniform_rows > 0 ? first + a.uniform_rows : a.offsets[g];
-    const int64_t chunks = max((int64_t)1, (next - first + a.chunk_rows - 1) / a.chunk_rows);
+    const int64_t chunks = max((int64_t)1, (next - first + chunk_rows - 1) / chunk_rows);
     if (chunk < chunks) {
-      start = first + chunk * a.chunk_rows;
-      end = min(next, start + a.chunk_rows);
+      start = first + chunk * chunk_rows;
+      end = min(next, start + chunk_rows);
       return true;
     }
     chunk -= chunks;
@@ -85,8 +85,9 @@ __device__ __forceinline__ uint4 load_row8(const GroupColumnsArgs& a, int64_t r,
   return *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + r * a.channels + c);
 }
 
-// Those 8 channels' e4m3 codes: bf16 quantised by the columns' scales, or e4m3 as it is.
-__device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, const float* scales) {
+// Those 8 channels' e4m3 codes: bf16 quantised by the columns' scales (their reciprocals,
+// fp8_inverse_scale), or e4m3 as it is.
+__device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, const float* inv_scales) {
   if (a.bytes) return make_uint2(raw.x, raw.y);
   float f[8];
   bf16x8_to_floats(raw, f);
@@ -96,7 +97,7 @@ __device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, co
     uint32_t packed = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(f[4 * h + k] / scales[4 * h + k], __NV_SATFINITE, __NV_E4M3);
+      const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(f[4 * h + k] * inv_scales[4 * h + k], __NV_SATFINITE, __NV_E4M3);
       packed |= (uint32_t)q << (8 * k);
     }
     word[h] = packed;
@@ -104,19 +105,20 @@ __device__ __forceinline__ uint2 codes8(const GroupColumnsArgs& a, uint4 raw, co
   return make_uint2(word[0], word[1]);
 }
 
-__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_kernel(const GroupColumnsArgs a) {
+__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_kernel(const GroupColumnsArgs a,
+                                                                                         const int64_t chunk_rows) {
   __shared__ __align__(16) uint8_t tile[kGroupCols * kGroupPitch];
-  __shared__ float scales[kGroupCols];
+  __shared__ float inv_scales[kGroupCols];
   const int c0 = blockIdx.x * kGroupCols;
   int g;
   int64_t first, start, end;
-  if (!group_chunk(a, blockIdx.y, g, first, start, end)) return;
+  if (!group_chunk(a, chunk_rows, blockIdx.y, g, first, start, end)) return;
   uint8_t* q = a.q;
   if (a.uniform_rows > 0) q += g * a.channels * a.uniform_rows - first;  // this expert's own [channels, uniform_rows]
   if (!a.bytes && threadIdx.x < kGroupCols) {
     const int col = c0 + threadIdx.x;
     const float scale = col < a.channels ? fp8_scale(a.col_amax[g * a.amax_stride + col], kFp8MinAmaxSmall) : 1.f;
-    scales[threadIdx.x] = scale;
+    inv_scales[threadIdx.x] = fp8_inverse_scale(scale);
     if (col < a.channels && start == first) {  // the expert's first chunk writes its scales
       const int per_half = a.channels / a.halves, h = col / per_half;
       a.scale[((int64_t)h * a.groups + g) * per_half + col % per_half] = scale;
@@ -145,7 +147,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_
     for (int i = 0; i < kTileLoads; ++i) {
       int64_t r;
       int v;
-      if (loaded(r0, i, r, v)) put8_in_tile<kGroupPitch>(tile, 8 * v, (int)(r - r0), codes8(a, raw[i], scales + 8 * v));
+      if (loaded(r0, i, r, v)) put8_in_tile<kGroupPitch>(tile, 8 * v, (int)(r - r0), codes8(a, raw[i], inv_scales + 8 * v));
     }
     __syncthreads();
     if (r0 + kGroupRows < end) fetch(r0 + kGroupRows);  // in flight during this tile's stores
@@ -168,13 +170,13 @@ __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm) group_columns_
   }
 }
 
-void launch_group_columns(GroupColumnsArgs a, cudaStream_t stream) {
+void launch_group_columns(const GroupColumnsArgs& a, cudaStream_t stream) {
   if (a.groups == 0 || a.channels == 0) return;
-  a.chunk_rows = group_chunk_rows(a);
+  const int64_t chunk_rows = group_chunk_rows(a);
   // x: the column tiles, so that the blocks running together read neighbouring parts of the same
   // rows (with the chunks along x, e4m3 transposes ran 20% slower: run 62).
-  const dim3 grid((a.channels + kGroupCols - 1) / kGroupCols, (unsigned)group_chunks_bound(a));
-  group_columns_kernel<<<grid, kTileThreads, 0, stream>>>(a);
+  const dim3 grid((a.channels + kGroupCols - 1) / kGroupCols, (unsigned)group_chunks_bound(a, chunk_rows));
+  group_columns_kernel<<<grid, kTileThreads, 0, stream>>>(a, chunk_rows);
   MOE_COMM_CHECK_LAUNCH("fp8_group_columns");
 }
 

@@ -21,7 +21,8 @@ constexpr int kQuantiseRowsThreadsPerSm = kThreadsPerSm / 2;
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, kQuantiseRowsThreadsPerSm / kThreads) quantise_rows_kernel(const QuantiseRowsArgs a) {
-  __shared__ float scratch[kThreads / kWarpSize];
+  __shared__ float scratch[2 * kThreads / kWarpSize];
+  BlockMax<kThreads> block_max{scratch};
   extern __shared__ float4 walk_s[];
   int64_t first, last;
   block_rows(rows_used(a.offsets, a.groups), first, last);
@@ -32,7 +33,7 @@ __global__ void __launch_bounds__(kThreads, kQuantiseRowsThreadsPerSm / kThreads
   RowPrefetch<kThreads, 1> rows{vecs};
   rows.fetch(first < last, {x + first * vecs});
   for (int64_t row = first; row < last; ++row) {
-    const VecSplit* channel_scale = walk.enter(row);
+    const VecSplit channel_scale = walk.enter(row);
     uint4 raw[1][kRowVecs];
     rows.take(raw, row + 1 < last, {x + (row + 1) * vecs});
     float f[kRowVecs][8];
@@ -47,12 +48,13 @@ __global__ void __launch_bounds__(kThreads, kQuantiseRowsThreadsPerSm / kThreads
         amax = fmaxf(amax, amax8(f[i]));
       }
     }
-    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
+    const float scale = fp8_scale(block_max.of(amax), kFp8MinAmaxSmall);
+    const float inv_scale = fp8_inverse_scale(scale);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.channels);
 #pragma unroll
     for (int i = 0; i < kRowVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
-      if (v < vecs) q[v] = fp8_quantise_floats8(f[i], scale);
+      if (v < vecs) q[v] = fp8_quantise_floats8(f[i], inv_scale);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }

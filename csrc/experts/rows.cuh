@@ -83,8 +83,11 @@ struct ExpertWalk {
       for (int i = threadIdx.x; i < amax_channels / 4; i += blockDim.x) col_amax_s.base[i] = float4{0.f, 0.f, 0.f, 0.f};
     }
   }
-  // Enter row's expert (every thread of the block, the same row): the scales to fold, or null.
-  __device__ __forceinline__ const VecSplit* enter(int64_t row) {
+  // Enter row's expert (every thread of the block, the same row): the scales to fold (base null:
+  // none). By value: a pointer to a member kept the whole walk in local memory (88 bytes of stack
+  // frame in quantise_rows and gate_backward, read in the row loop), where by value it lives in
+  // registers (ptxas -v: no stack frame).
+  __device__ __forceinline__ VecSplit enter(int64_t row) {
     const int g = experts.at(row);
     if (g != current && (scale_src != nullptr || col_amax != nullptr)) {
       __syncthreads();  // the previous expert's readers and writers are done
@@ -98,7 +101,7 @@ struct ExpertWalk {
       __syncthreads();
     }
     current = g;
-    return scale_src != nullptr ? &scales_s : nullptr;
+    return scale_src != nullptr ? scales_s : VecSplit{nullptr, 0};
   }
   // |f| into the columns' amax of vector v (channels 8v..8v+8 of the amax array: this thread's own).
   __device__ __forceinline__ void take8(const float (&f)[8], int v) {
@@ -131,28 +134,37 @@ struct ExpertWalk {
   }
 };
 
-// f *= the scales of vector v (a no-op for null: no scale to fold).
-__device__ __forceinline__ void scale8(float (&f)[8], const VecSplit* channel_scale, int v) {
-  if (channel_scale == nullptr) return;
-  const float4 lo = channel_scale->lo(v), hi = channel_scale->hi(v);
+// f *= the scales of vector v (a no-op where base is null: no scale to fold).
+__device__ __forceinline__ void scale8(float (&f)[8], const VecSplit& channel_scale, int v) {
+  if (channel_scale.base == nullptr) return;
+  const float4 lo = channel_scale.lo(v), hi = channel_scale.hi(v);
   f[0] *= lo.x, f[1] *= lo.y, f[2] *= lo.z, f[3] *= lo.w;
   f[4] *= hi.x, f[5] *= hi.y, f[6] *= hi.z, f[7] *= hi.w;
 }
 
-// Max of v over the block of kThreads, on every thread. `scratch`: kThreads / 32 floats of shared
-// memory, free again when this returns (the first barrier keeps a previous call's readers ahead).
+// Max over the block of kThreads, on every thread, once a row: `of(v)` with every thread's v.
+// One barrier a call: the calls alternate between two halves of `scratch` (2 * kThreads / 32
+// floats of shared memory), so a call's writes never meet the previous call's reads, and a thread
+// writes a half again only two calls on, after the barrier of the call between, which no thread
+// passes before it has read this call's half. (With one half, a barrier before the writes kept
+// the previous call's readers ahead: two barriers a row.)
 template <int kThreads>
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float m = 0.f;
+struct BlockMax {
+  float* scratch;
+  int half = 0;
+  __device__ __forceinline__ float of(float v) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    float* mine = scratch + half * (kThreads / kWarpSize);
+    half ^= 1;
+    v = warp_max(v);
+    if (lane == 0) mine[warp] = v;
+    __syncthreads();
+    float m = 0.f;
 #pragma unroll
-  for (int w = 0; w < kThreads / kWarpSize; ++w) m = fmaxf(m, scratch[w]);
-  return m;
-}
+    for (int w = 0; w < kThreads / kWarpSize; ++w) m = fmaxf(m, mine[w]);
+    return m;
+  }
+};
 
 // The most threads an SM holds (Hopper): resident blocks of a row kernel are bounded by it.
 constexpr int kThreadsPerSm = 2048;
@@ -235,7 +247,7 @@ __device__ __forceinline__ void put8_in_tile(uint8_t* tile, int ch, int r, uint2
 }
 
 // A row kernel's loads of the next row, issued before the block reduces and stores the current
-// one, so that a thread's loads are in flight through the barriers of block_max: kOperands
+// one, so that a thread's loads are in flight through the barrier of BlockMax: kOperands
 // arrays of the row, kRowVecs 8-channel vectors each (vector v = threadIdx.x + i * kThreads of
 // those below vecs). Rows one after the other: fetch the first, then take each row while
 // fetching the next.
@@ -267,7 +279,12 @@ struct RowPrefetch {
   }
 };
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// The gate's sigmoid from the hardware's exp2 and reciprocal (__expf, __fdividef: a few ulp of
+// fp32), not expf and a correctly rounded division (about twenty instructions with a branch to a
+// slow path, a value): its result is rounded to bf16 or e4m3 (2^-8, 2^-3 relative), and the gate
+// already only agrees with torch's to rounding (moe_comm/kernels/fp8_reference.py). Large |x|
+// saturate as they should: exp(-x) = inf gives 0, and __fdividef of 1 by more than 2^126 is 0.
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 #endif  // __CUDACC__
 

@@ -20,7 +20,8 @@ namespace moe_comm {
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) weights_kernel(const WeightsArgs a) {
-  __shared__ float scratch[kThreads / kWarpSize];
+  __shared__ float scratch[2 * kThreads / kWarpSize];
+  BlockMax<kThreads> block_max{scratch};
   const int rows = a.rows_a + a.rows_b, vecs = a.cols / 8;
   const int64_t total = (int64_t)a.experts * rows;
   for (int64_t row = blockIdx.x; row < total; row += gridDim.x) {
@@ -38,12 +39,13 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(const WeightsArgs a) 
         amax = fmaxf(amax, amax8(f[i]));
       }
     }
-    const float scale = fp8_scale(block_max<kThreads>(amax, scratch), kFp8MinAmaxSmall);
+    const float scale = fp8_scale(block_max.of(amax), kFp8MinAmaxSmall);
+    const float inv_scale = fp8_inverse_scale(scale);
     uint2* q = reinterpret_cast<uint2*>(a.q + row * a.cols);
 #pragma unroll
     for (int i = 0; i < kWeightVecs; ++i) {
       const int v = threadIdx.x + i * kThreads;
-      if (v < vecs) q[v] = fp8_quantise_floats8(f[i], scale);
+      if (v < vecs) q[v] = fp8_quantise_floats8(f[i], inv_scale);
     }
     if (threadIdx.x == 0) a.scale[row] = scale;
   }

@@ -133,8 +133,9 @@ __device__ __forceinline__ void quantise_row(const uint4* src, uint4* const (&ds
     amax = fmaxf(amax, amax8(f));
   }
   const float scale = fp8_scale(warp_max(amax), kFp8MinAmax);
+  const float inv_scale = fp8_inverse_scale(scale);
   for (int v = lane; v < row_vecs; v += kWarpSize) {
-    const uint2 q = fp8_quantise8(src[v], scale);
+    const uint2 q = fp8_quantise8(src[v], inv_scale);
 #pragma unroll
     for (int k = 0; k < kMaxTopK; ++k) {
       if (dst[k] != nullptr) __stcs(reinterpret_cast<uint2*>(dst[k]) + v, q);

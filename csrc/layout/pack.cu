@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSM) pack_kernel(
       const float group_scale = fp8_group_scale(value, a.min_amax);  // every lane takes part
       const float scale = a.row_scale ? row_scale : group_scale;
       if (v >= a.row_vecs) continue;
-      const uint2 q = fp8_quantise8(value, scale);
+      const uint2 q = fp8_quantise8(value, fp8_inverse_scale(scale));
       const bool writes_scale = v % (kFp8GroupChannels / 8) == 0;
       const int scale_offset = a.hidden + 4 * (v / (kFp8GroupChannels / 8));
       *reinterpret_cast<uint2*>(own + 8 * v) = q;

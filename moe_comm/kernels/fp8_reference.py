@@ -2,16 +2,18 @@
 GPU, and what the FP8 experts run on CPU tensors (tests) with the grouped GEMM emulated.
 
 Every quantiser in csrc/ works one way (csrc/common/vec.cuh): over a group of values,
-scale = max(amax, floor) / 448 in fp32, q = x / scale rounded to the nearest e4m3 (|q| <= 448),
-and the value q stands for is q * scale. A group is a row (one fp32 scale per row: the FP8
+scale = max(amax, floor) / 448 in fp32, q = x * (1 / scale) rounded to the nearest e4m3
+(|q| <= 448; the reciprocal and the product each correctly rounded), and the value q stands for
+is q * scale. A group is a row (one fp32 scale per row: the FP8
 experts' operands), 128 channels of a row (FP8 dispatch's wire), a weight row per expert, or
 one channel over one expert's rows (the weight gradients' operands). The floor is
 1e-4 for activation rows (FP8 dispatch's, kept so its wire stays as it was) and 1e-30 for
 gradients and the experts' own operands, whose values are often far below 1e-4.
 
-Where a kernel only quantises, it equals these functions bit for bit (float32 division and
-round-to-nearest-even casts are exact in both). Where it also computes (the SiLU gate and its
-backward: CUDA's expf against torch's exp), the two agree to rounding.
+Where a kernel only quantises, it equals these functions bit for bit (float32 division,
+multiplication and round-to-nearest-even casts are exact in both). Where it also computes (the
+SiLU gate and its backward: the hardware's exp2 and reciprocal against torch's sigmoid), the two
+agree to rounding.
 """
 
 import torch
@@ -31,10 +33,16 @@ def divided(a: torch.Tensor, b: float) -> torch.Tensor:
     return a / torch.full((), b, dtype=a.dtype, device=a.device)
 
 
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale correctly rounded (a tensor divisor: `divided` says why), what the kernels
+    multiply a group's values by (csrc/common/vec.cuh fp8_inverse_scale)."""
+    return torch.ones_like(scale) / scale
+
+
 def quantise(x32: torch.Tensor, amax: torch.Tensor, min_amax: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x32 in e4m3 with scale max(amax, min_amax) / 448 (amax broadcast over its group)."""
     scale = divided(amax.clamp(min=min_amax), FP8_MAX)
-    return (x32 / scale).to(FP8), scale
+    return (x32 * inverse_scale(scale)).to(FP8), scale
 
 
 def quantise_rows(x_RC: torch.Tensor, min_amax: float = MIN_AMAX_SMALL) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,12 +102,14 @@ def reference_forward(x, idx, w, a, b):
 
 
 def fp8_rows(x):
-    """bf16 rows quantised to e4m3 with one fp32 scale per row (amax / 448, amax at least 1e-4):
+    """bf16 rows quantised to e4m3 with one fp32 scale per row (amax / 448, amax at least 1e-4,
+    applied as x * (1 / scale)):
     the rows the FP8 experts must receive, bit for bit. Returns (codes as uint8, scales)."""
     xf = x.float()
     # a tensor divisor: a CUDA tensor over a Python number is x * (1 / b) in torch, not the kernels' division
     scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-4) / torch.full((), 448.0, device=xf.device)
-    return (xf / scale).to(torch.float8_e4m3fn).view(torch.uint8), scale.squeeze(1)
+    # times its reciprocal, each correctly rounded (a tensor divisor, as above)
+    return (xf * (torch.ones_like(scale) / scale)).to(torch.float8_e4m3fn).view(torch.uint8), scale.squeeze(1)
 
 
 def forwarded_slots(idxs, rank, num_experts, ranks_per_node):
