@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on 2026-12-05 (session 25) on the tree eb1d9fa (branch row-kernels), carrying [".whl", ".device/old", ".device/mid"]; what it printed: results/h200x1/README.md, twenty-fifth session.
 # Device call of the branch row-kernels (prepared in sessions 20-23, not yet run). Three trees, each
 # built: main's in .device/old and the branch before session 23's commit in .device/mid (both
 # `git archive REV | tar x -C DIR; rm -rf DIR/results`), carried with [".whl", ".device/old",

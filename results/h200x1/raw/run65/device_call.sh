@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on 2026-12-05 (session 25) on the tree eb1d9fa (branch row-kernels, merged into main after), carrying [".whl"]; what it printed: results/h200x1/README.md, twenty-fifth session.
 # Device call prepared in sessions 21-22 (2026-12-04, no device lent in either), after run 64: the
 # one-GPU recipe, nccl bf16 and nvshmem FP8 experts + FP8 dispatch, under TorchTitan's [compile]
 # three ways in one call, 60 steps each: model and loss compiled (`--compile.enable`, its default

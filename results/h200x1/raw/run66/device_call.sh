@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on 2026-12-05 (session 25) on the tree eb1d9fa (branch row-kernels, merged into main after), carrying [".whl"]; what it printed: results/h200x1/README.md, twenty-fifth session.
 # Device call prepared in session 21 (2026-12-04, no device lent that session): the layer bench's
 # FP8 experts parts at the flagship rank's rows again, with what ships since run 39 measured them
 # (the work beside the grouped GEMMs in the backward, dispatch's backward without zero-filled
