@@ -626,9 +626,14 @@ def assumptions_section(cal, lines):
 
 
 def gaps_section(rows, cal, lines):
-    def err(needle):
-        got = [r.error_pct for r in rows if needle in r.id and r.kind == "training"]
+    def err(*needles, compiled=None):  # compiled: only the runs with (True) or without (False) the blocks compiled
+        got = [r.error_pct for r in rows if any(n in r.id for n in needles) and r.kind == "training"
+               and (compiled is None or (r.id.endswith("-compiled") and not r.id.endswith("loss-compiled")) == compiled)]
         return f"{min(got):+.0f}% to {max(got):+.0f}%" if len(got) > 1 else f"{got[0]:+.0f}%"
+
+    def compile_gain(backend):  # measured tok/s with the blocks and loss compiled over eager, one call (run 65)
+        tps = {r.id.rsplit("/", 1)[1]: r.measured for r in rows if "one_gpu_compile_2026-12-05/" in r.id}
+        return f"{(tps[f'{backend}-compiled'] / tps[backend] - 1) * 100:+.1f}%"
 
     def chunking(backend):  # measured tok/s of the chunked run against the plain one, world 1
         got = {r.id.rsplit("-", 1)[1]: r.measured for r in rows if f"overlap_training/deepseek_v3_671b_h200x1/{backend}-" in r.id}
@@ -660,8 +665,8 @@ def gaps_section(rows, cal, lines):
               f"- **The 671B-shaped layers on 2 H200, nvshmem: {err('671b_layers_h200x2-nvshmem')}; one H200: "
               f"{err('one_gpu_training')}.** The model is fast by a few percent: parts timed alone leave out some "
               "of what a step runs between them.",
-              f"- **One H200 since the dataloader worker and the FP8 experts (runs 60 and 63, held out): "
-              f"{err('one_gpu_2026-12-04')}.** Their step is GPU-bound (the batch loads in a worker): its idle "
+              f"- **One H200 since the dataloader worker and the FP8 experts (runs 60, 63 and 64, held out): "
+              f"{err('one_gpu_2026-12-04', 'one_gpu_2026-12-05')}.** Their step is GPU-bound (the batch loads in a worker): its idle "
               "share is the one-GPU profile's with the worker (run 50), where the runs before the worker keep "
               "the multi-GPU profile's. What the model still misses there: autocast's casts of the gradients "
               "back to fp32 run in torch's unvectorised cast kernel at about 1.8 TB/s (run 60's FP8 trace and "
@@ -669,6 +674,13 @@ def gaps_section(rows, cal, lines):
               "FP8 experts skip autocast (their e4m3 weights and widened gradients are this project's kernels), "
               f"so the model gives them {fp8_gain('predicted')} tok/s over bf16 where the two runs "
               f"(runs 60 and 63, two calls) measured {fp8_gain('measured')}.",
+              f"- **The blocks compiled at world 1 (run 65, held out): {err('one_gpu_compile_2026-12-05', compiled=True)}; "
+              f"the same call eager or with the loss alone compiled: {err('one_gpu_compile_2026-12-05', compiled=False)}.** "
+              "The model prices a compiled loss (the layer bench's output_loss.loss_compiled) but times every "
+              "block's parts eager, so it misses what inductor fuses in the blocks (autocast's casts, MLA's cats, "
+              "the norms): with TorchTitan's [compile] (model and loss) the one-GPU recipe measured "
+              f"{compile_gain('nccl')} tok/s over eager with nccl and {compile_gain('nvshmem-fp8-experts')} with FP8 "
+              "experts, in one call. Recipes that compile their blocks (the MXFP8 and float8 ones) miss it too.",
               f"- **The chunked overlap at world 1 (one H200, held out): nvshmem {err('overlap_training/deepseek_v3_671b_h200x1/nvshmem-chunked')}, "
               f"nccl {err('overlap_training/deepseek_v3_671b_h200x1/nccl-chunked')}; without it {err('overlap_training/deepseek_v3_671b_h200x1/nvshmem-none')} and "
               f"{err('overlap_training/deepseek_v3_671b_h200x1/nccl-none')}.** With no link to hide, chunking measured a loss (tok/s "

@@ -243,19 +243,20 @@ def test_the_recorded_bench_prices_the_flagship_from_measured_parts():
     """results/model_inputs/layer_bench_h200x1.json as recorded on the device: every part the
     flagship's pricing looks for ran at its case - FlexAttention and variable-length attention at
     c4's documents, this project's FP8 experts - so its prediction needs no stand-in; the MXFP8
-    recipe's grouped GEMM is the stated rule, and its compiled loss takes the eager loss's time,
-    said, until the device measures output_loss.loss_compiled (prepared: results/h200x1/raw/run66)."""
+    recipe's grouped GEMM is the stated rule, and its compiled loss is the measured one
+    (output_loss.loss_compiled, run 66), not the eager loss standing in."""
     from moe_comm import recipe
 
     bench = layer_compute.load()
     for part in ("attention.core.flex", "attention.module.flex", "attention.core.flex.c4_en",
-                 "attention.core.varlen.c4_en", "experts.moe_comm_fp8.node_limited"):
+                 "attention.core.varlen.c4_en", "experts.moe_comm_fp8.node_limited", layer_compute.LOSS_COMPILED):
         assert bench.part("flagship", part), part
     cal = calibration.calibrate()
     for path, says, never in (("recipes/deepseek_v3_671b_b200.toml", (), ("not measured", "MXFP8")),
                               ("recipes/deepseek_v3_671b_b200_mxfp8.toml",
-                               (layer_compute.LOSS_COMPILED_NOTE.format(case="flagship"), "; B200 runs MXFP8"),
-                               ("flex", "varlen", "float8 grouped GEMM", "FP8 experts (experts.moe_comm_fp8) not"))):
+                               ("B200 runs MXFP8 grouped GEMMs",),
+                               ("flex", "varlen", "float8 grouped GEMM", "FP8 experts (experts.moe_comm_fp8) not",
+                                "loss: compiled"))):
         r = recipe.load(path, [], device="cuda", check_paths=False)
         w = scale_model.workload_from_recipe(r)
         assert w.documents is documents.C4_EN  # the recipes train on c4

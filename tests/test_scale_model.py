@@ -801,3 +801,25 @@ def test_a_recipe_that_compiles_its_loss_holds_its_bf16_logits_alone():
     assert compiled.loss_compiled and not eager.loss_compiled
     drop = scale_model.memory(eager, "nvshmem").total - scale_model.memory(compiled, "nvshmem").total
     assert drop == pytest.approx(4 * 8192 * 129280) and drop / estimate.GiB == pytest.approx(3.95, abs=0.01)
+
+
+def test_the_known_gaps_name_what_compiling_the_blocks_measured(validated):
+    """Run 65 compiled the one-GPU recipe's blocks (TorchTitan's [compile], model and loss), which the
+    model does not price: the known gaps give the compiled runs' errors apart from the eager and
+    loss-compiled runs' of the same call, and the measured gain of compiling, each read from the table."""
+    cal, rows = validated
+    call = "train/one_gpu_compile_2026-12-05/deepseek_v3_671b_h200x1/"
+    rows = dict(rows)  # the eager nccl row's error set apart, so that a filter which drops it shows
+    rows[call + "nccl"] = replace(rows[call + "nccl"], predicted=1.2 * rows[call + "nccl"].measured)  # +20%
+    lines = []
+    _experiment("scale_model").gaps_section(list(rows.values()), cal, lines)
+    bullet = next(line for line in lines if line.startswith("- **The blocks compiled at world 1"))
+    compiled = [rows[call + b].error_pct for b in ("nccl-compiled", "nvshmem-fp8-experts-compiled")]
+    eager = [rows[call + b].error_pct for b in ("nccl", "nvshmem-fp8-experts", "nccl-loss-compiled",
+                                                "nvshmem-fp8-experts-loss-compiled")]
+    assert f"(run 65, held out): {min(compiled):+.0f}% to {max(compiled):+.0f}%;" in bullet
+    assert f"loss alone compiled: {min(eager):+.0f}% to +20%." in bullet
+    gain = {b: (rows[call + f"{b}-compiled"].measured / rows[call + b].measured - 1) * 100
+            for b in ("nccl", "nvshmem-fp8-experts")}
+    assert f"{gain['nccl']:+.1f}% tok/s over eager with nccl and {gain['nvshmem-fp8-experts']:+.1f}% with FP8" in bullet
+    assert 8 < gain["nccl"] < 10 and 7 < gain["nvshmem-fp8-experts"] < 10  # run 65: +9.0%, +8.4%
